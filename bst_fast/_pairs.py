@@ -1,0 +1,210 @@
+"""Pair set, labels, weights and input checks of SPEC §2, §4 and §5: the shared math every backend calls."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class Pairs:
+    """A batch's pair set after checking: every backend reads the same object.
+
+    `row is None` means all pairs of SPEC §2 (the implicit triangle), each weighted by `scale`.
+    Otherwise `(row, i, j)` lists the pairs, each weighted by `weight` (subsampling estimator or
+    the plain mean of explicit pairs).
+    """
+
+    lengths: torch.Tensor  # (B,) int64, on the tokens' device
+    prefix_start: torch.Tensor  # (B,) int64
+    min_gap: int
+    max_gap: int  # already clipped to L: a pair never spans more than L - 1
+    counts: torch.Tensor  # (B,) int64: |P_r|
+    scale: torch.Tensor  # () float64: the weight of every pair in the all-pairs case
+    row: Optional[torch.Tensor] = None  # (n,) int64
+    i: Optional[torch.Tensor] = None  # (n,) int64
+    j: Optional[torch.Tensor] = None  # (n,) int64
+    weight: Optional[torch.Tensor] = None  # (n,) float64; backends cast to their accumulation dtype
+
+
+def pair_counts(lengths, prefix_start, min_gap, max_gap, L):
+    """|P_r| for every row, without enumerating the pairs: sum over i of the valid j's."""
+    i = torch.arange(L, device=lengths.device)  # (L,)
+    last = torch.minimum(i[None] + max_gap, lengths[:, None] - 1)  # (B, L): highest valid j
+    n_j = (last - i[None] - min_gap + 1).clamp(min=0)
+    n_j = n_j * (i[None] >= prefix_start[:, None])
+    return n_j.sum(1)
+
+
+def pair_mask(lengths, prefix_start, min_gap, max_gap, L):
+    """(B, L, L) bool: mask[r, i, j] is True exactly for (i, j) in P_r (SPEC §2)."""
+    i = torch.arange(L, device=lengths.device)[None, :, None]
+    j = torch.arange(L, device=lengths.device)[None, None, :]
+    gap = j - i
+    return (
+        (i >= prefix_start[:, None, None])
+        & (gap >= min_gap)
+        & (gap <= max_gap)
+        & (j <= lengths[:, None, None] - 1)
+    )
+
+
+def labels(tokens, row, i, j):
+    """Next label tokens[r, i+1] and Prev label tokens[r, j-1] of each pair (SPEC §2)."""
+    return tokens[row, i + 1], tokens[row, j - 1]
+
+
+def pair_chunks(p: Pairs, chunk: int) -> Iterator[tuple]:
+    """(row, i, j, weight) in chunks of at most `chunk` pairs; the all-pairs case row by row."""
+    if p.row is not None:
+        for s in range(0, p.row.numel(), chunk):
+            yield p.row[s : s + chunk], p.i[s : s + chunk], p.j[s : s + chunk], p.weight[s : s + chunk]
+        return
+    B = p.lengths.numel()
+    L = int(p.lengths.max().item()) if B else 0
+    masks = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L)  # (B, L, L), bools only
+    for r in range(B):
+        i, j = masks[r].nonzero(as_tuple=True)
+        for s in range(0, i.numel(), chunk):
+            ii, jj = i[s : s + chunk], j[s : s + chunk]
+            yield torch.full_like(ii, r), ii, jj, p.scale.expand(ii.shape)
+
+
+def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
+    """k[r] pairs of row r, uniform without replacement (SPEC §5), drawn by the C++ sampler."""
+    from . import _ops
+
+    # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
+    # the global RNG; the C++ sampler derives one stream per row from it.
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    row, i, j = torch.ops.bst_fast.sample_pairs(
+        lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed
+    )
+    dev = lengths.device
+    return row.to(dev), i.to(dev), j.to(dev)
+
+
+def _fail(cls, msg):
+    raise cls(msg)
+
+
+def _as_row_vector(x, name, B, device):
+    """An int or (B,) integer tensor as a (B,) int64 tensor on `device`."""
+    if isinstance(x, bool):
+        _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got a bool")
+    if isinstance(x, int):
+        return torch.full((B,), x, dtype=torch.int64, device=device)
+    if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+        _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got {type(x).__name__}"
+              + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
+    if tuple(x.shape) != (B,):
+        _fail(ValueError, f"{name} must have shape ({B},) to match f, got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int64)
+
+
+def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
+            next_weight, reduction, generator) -> Pairs:
+    """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument."""
+    if not torch.is_tensor(f) or f.dim() != 3:
+        _fail(ValueError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
+    if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
+        _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
+    if not f.dtype.is_floating_point:
+        _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
+    if b.dtype != f.dtype:
+        _fail(ValueError, f"b must have the dtype of f ({f.dtype}), got {b.dtype}")
+    if b.device != f.device:
+        _fail(ValueError, f"b must be on the device of f ({f.device}), got {b.device}")
+    B, L, _ = f.shape
+    if not torch.is_tensor(tokens) or tuple(tokens.shape) != (B, L):
+        _fail(ValueError, f"tokens must have shape (B, L) = ({B}, {L}) to match f, got {tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        _fail(ValueError, f"tokens must be an integer tensor, got {tokens.dtype}")
+    if tokens.device != f.device:
+        _fail(ValueError, f"tokens must be on the device of f ({f.device}), got {tokens.device}")
+    if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 2:
+        _fail(ValueError, f"min_gap must be an int >= 2 (a pair needs a token between prefix and suffix), got {min_gap!r}")
+    if max_gap is not None and (not isinstance(max_gap, int) or isinstance(max_gap, bool) or max_gap < min_gap):
+        _fail(ValueError, f"max_gap must be None or an int >= min_gap ({min_gap}), got {max_gap!r}")
+    if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) or not 0.0 <= next_weight <= 1.0:
+        _fail(ValueError, f"next_weight must be a number in [0, 1], got {next_weight!r}")
+    if reduction not in REDUCTIONS:
+        _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+    dev = f.device
+    if lengths is None:
+        lengths = torch.full((B,), L, dtype=torch.int64, device=dev)
+    else:
+        lengths = _as_row_vector(lengths, "lengths", B, dev)
+        if bool(((lengths < 0) | (lengths > L)).any()):
+            r = int(((lengths < 0) | (lengths > L)).nonzero()[0])
+            _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
+    prefix_start = _as_row_vector(prefix_start, "prefix_start", B, dev)
+    if bool((prefix_start < 0).any()):
+        r = int((prefix_start < 0).nonzero()[0])
+        _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
+    gmax = L if max_gap is None else min(max_gap, L)
+
+    # Every token a row can use as a label must be a vocabulary index; padding is not checked.
+    valid = torch.arange(L, device=dev)[None] < lengths[:, None]
+    bad = valid & ((tokens < 0) | (tokens >= vocab_size))
+    if bool(bad.any()):
+        r, t = (int(x) for x in bad.nonzero()[0])
+        _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+
+    counts = pair_counts(lengths, prefix_start, min_gap, gmax, L)
+    common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax, counts=counts)
+    total = counts.sum()
+
+    if pairs is None:
+        if int(total) == 0:
+            _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
+        scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)
+        return Pairs(scale=scale, **common)
+
+    if isinstance(pairs, (tuple, list)):
+        if len(pairs) != 3 or not all(torch.is_tensor(x) for x in pairs):
+            _fail(ValueError, "pairs given explicitly must be a (row, i, j) triple of int64 tensors")
+        row, i, j = pairs
+        if any(x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1 for x in (row, i, j)) \
+                or not (row.shape == i.shape == j.shape):
+            _fail(ValueError, f"pairs (row, i, j) must be three 1-D integer tensors of one length, got shapes "
+                              f"{tuple(row.shape)}, {tuple(i.shape)}, {tuple(j.shape)}")
+        if row.numel() == 0:
+            _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
+        row, i, j = (x.to(device=dev, dtype=torch.int64) for x in (row, i, j))
+        in_batch = (row >= 0) & (row < B)
+        rc = row.clamp(0, max(B - 1, 0))
+        ok = in_batch & (i >= prefix_start[rc]) & (j >= i + min_gap) & (j <= i + gmax) & (j <= lengths[rc] - 1)
+        if not bool(ok.all()):
+            k = int((~ok).nonzero()[0])
+            _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
+                              f"SPEC §2 needs 0 <= row < {B}, prefix_start <= i and "
+                              f"i + min_gap <= j <= min(i + max_gap, lengths[row] - 1)")
+        w = 1.0 / row.numel() if reduction == "mean" else 1.0
+        weight = torch.full((row.numel(),), w, dtype=torch.float64, device=dev)
+        return Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), row=row, i=i, j=j, weight=weight, **common)
+
+    if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
+        _fail(ValueError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
+    if isinstance(pairs, float):
+        if not 0.0 < pairs <= 1.0:
+            _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
+        k = torch.round(pairs * counts.double()).long().clamp(min=1)
+    else:
+        if pairs < 1:
+            _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
+        k = torch.full_like(counts, pairs)
+    k = torch.minimum(k, counts)
+    if int(total) == 0:
+        _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
+    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
+    # SPEC §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
+    weight = counts[row].double() / k[row].double()
+    if reduction == "mean":
+        weight = weight / total.double()
+    return Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), row=row, i=i, j=j, weight=weight, **common)

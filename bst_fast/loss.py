@@ -1,0 +1,112 @@
+"""belief_state_loss and BeliefStateLoss: the public entry points, checking inputs and picking a backend."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _pairs, _torch, reference
+from .head import TextHead
+
+BACKENDS = ("auto", "reference", "torch", "cpp", "triton")
+
+
+def _vocab_size(head, m, device, dtype):
+    """V from the head: TextHead knows it; any other module is probed once with a zero pair."""
+    v = getattr(head, "vocab_size", None)
+    if isinstance(v, int):
+        return v
+    with torch.no_grad():
+        out = head(torch.zeros(1, 2 * m, device=device, dtype=dtype))
+    if out.dim() != 2 or out.shape[-1] % 2:
+        raise ValueError(f"head must map (..., 2m) to (..., 2V), got an output of shape {tuple(out.shape)}")
+    return out.shape[-1] // 2
+
+
+def _pick_backend(backend, f, head):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if not isinstance(head, TextHead) or f.dtype == torch.float64:
+        return "torch"  # the fused engines take TextHead in float32/16/bf16 only
+    return "triton" if f.is_cuda else "cpp"
+
+
+def _check_head(head, f):
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"head must be an nn.Module, got {type(head).__name__}")
+    if isinstance(head, TextHead) and head.d_model != f.shape[-1]:
+        raise ValueError(f"head.d_model ({head.d_model}) must equal the last dimension m of f ({f.shape[-1]})")
+    for name, q in head.named_parameters():
+        if q.dtype != f.dtype:
+            raise ValueError(f"head parameter {name} must have the dtype of f ({f.dtype}), got {q.dtype}")
+        if q.device != f.device:
+            raise ValueError(f"head parameter {name} must be on the device of f ({f.device}), got {q.device}")
+
+
+def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, head: nn.Module, *,
+                      lengths=None, prefix_start=0, min_gap: int = 2, max_gap: Optional[int] = None,
+                      pairs=None, next_weight: float = 0.5, reduction: str = "mean",
+                      generator: Optional[torch.Generator] = None, backend: str = "auto") -> torch.Tensor:
+    """The Belief State Transformer objective over prefix/suffix pairs (SPEC §2-§5).
+
+    Args:
+        f: (B, L, m) forward-encoder states; f[r, i] has read tokens[r, :i+1].
+        b: (B, L, m) backward-encoder states aligned with tokens; b[r, j] has read tokens[r, j:len_r].
+        tokens: (B, L) integer token ids; labels are tokens[r, i+1] (Next) and tokens[r, j-1] (Prev).
+        head: a TextHead, or (torch and reference backends) any module mapping (..., 2m) to (..., 2V).
+        lengths: None, an int or (B,) valid positions per row (BOS and EOS included).
+        prefix_start: an int or (B,): the first prefix position i trained on.
+        min_gap, max_gap: the pair's j - i lies in [min_gap, max_gap]; min_gap >= 2, max_gap None is no limit.
+        pairs: None (all pairs), a float fraction or an int count of pairs per row (unbiased subsample,
+            SPEC §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
+        next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
+        reduction: "mean" (divide by |P|) or "sum".
+        generator: the torch.Generator the subsample is drawn from.
+        backend: "auto", "reference", "torch", "cpp" or "triton".
+
+    Returns:
+        A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
+    """
+    if not torch.is_tensor(f):
+        raise ValueError(f"f must be a (B, L, m) tensor, got {type(f).__name__}")
+    _check_head(head, f)
+    name = _pick_backend(backend, f, head)
+    V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
+    p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
+                       max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
+                       generator=generator)
+    tokens = tokens.long()
+    if name == "reference":
+        return reference.pair_loss(f, b, tokens, head, p, next_weight, V)
+    if name == "torch":
+        return _torch.pair_loss(f, b, tokens, head, p, next_weight, V)
+    if not isinstance(head, TextHead):
+        raise ValueError(f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}")
+    if f.dtype == torch.float64:
+        raise ValueError(f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through 'torch' or 'reference'")
+    if name == "cpp":
+        from . import _ops
+
+        return _ops.pair_loss(f, b, tokens, head, p, next_weight)
+    from . import _triton
+
+    return _triton.pair_loss(f, b, tokens, head, p, next_weight)
+
+
+class BeliefStateLoss(nn.Module):
+    """Module form of belief_state_loss: holds the head and the options; forward(f, b, tokens, **overrides)."""
+
+    def __init__(self, head: nn.Module, **options):
+        super().__init__()
+        bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "pairs", "next_weight",
+                              "reduction", "generator", "backend"}
+        if bad:
+            raise ValueError(f"BeliefStateLoss got unknown options {sorted(bad)}")
+        self.head = head
+        self.options = options
+
+    def forward(self, f, b, tokens, **overrides):
+        return belief_state_loss(f, b, tokens, self.head, **{**self.options, **overrides})

@@ -1,0 +1,33 @@
+"""The executable spec: the belief-state loss with every pair materialised, plain autograd (SPEC §2-§5)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._pairs import Pairs, labels, pair_mask
+
+
+def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int):
+    """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), with a (pairs, 2m) input."""
+    if p.row is None:
+        L = f.shape[1]
+        row, i, j = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).nonzero(as_tuple=True)
+        weight = p.scale.expand(row.shape)
+    else:
+        row, i, j, weight = p.row, p.i, p.j, p.weight
+    x = torch.cat([f[row, i], b[row, j]], dim=-1)  # (pairs, 2m)
+    logits = head(x)  # (pairs, 2V)
+    acc = torch.float64 if f.dtype == torch.float64 else torch.float32
+    logits = logits.to(acc)
+    y_next, y_prev = labels(tokens, row, i, j)
+    ce_next = F.cross_entropy(logits[:, :vocab_size], y_next, reduction="none")
+    ce_prev = F.cross_entropy(logits[:, vocab_size:], y_prev, reduction="none")
+    per_pair = next_weight * ce_next + (1.0 - next_weight) * ce_prev
+    return (weight.to(acc) * per_pair).sum()
+
+
+def belief_state_loss(f, b, tokens, head, **options):
+    """The reference backend: `bst_fast.belief_state_loss(..., backend="reference")`."""
+    from .loss import belief_state_loss as loss
+
+    return loss(f, b, tokens, head, backend="reference", **options)
