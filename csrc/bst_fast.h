@@ -1,0 +1,40 @@
+// bst_fast: the fused pair-tile engine of the belief-state loss on the CPU (SPEC §2-§5).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace bst_fast {
+
+// loss, dA, dB, dW (layers after the first), dc (their biases).
+using PairLossResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>;
+
+// The loss over pairs (i, j) with hidden state act(A[r, i] + Bm[r, j]) fed through the remaining
+// head layers `weights`/`biases` (SPEC §3), and, when need_grad, its gradients with respect to
+// A, Bm, weights and biases, all computed in one pass over tiles of pairs.
+//   A, Bm:     (B, L, h1) float32: the split first layer, A = f W1f^T + c1, Bm = b W1b^T.
+//   weights:   (h2, h1), ..., (2V, h_last) float32; biases: (h2), ..., (2V).
+//   tokens:    (B, L) int64; lengths, prefix_start: (B,) int64.
+//   row, i, j: a pair list (n,) int64, or all absent for all pairs of SPEC §2.
+//   weight:    () scale of every pair (all pairs) or (n,) per-pair weights.
+PairLossResult pair_loss(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weights,
+                         at::TensorList biases, const at::Tensor& tokens,
+                         const at::Tensor& lengths, const at::Tensor& prefix_start,
+                         int64_t min_gap, int64_t max_gap, const std::optional<at::Tensor>& row,
+                         const std::optional<at::Tensor>& i, const std::optional<at::Tensor>& j,
+                         const at::Tensor& weight, double next_weight,
+                         const std::string& activation, bool need_grad);
+
+// k[r] pairs of row r drawn uniformly without replacement from P_r (SPEC §5), sorted by (i, j);
+// one random stream per row, derived from seed, so the draw does not depend on thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& lengths,
+                                                            const at::Tensor& prefix_start,
+                                                            int64_t min_gap, int64_t max_gap,
+                                                            const at::Tensor& k, int64_t seed);
+
+}  // namespace bst_fast

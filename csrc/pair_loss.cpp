@@ -1,0 +1,357 @@
+// The fused pair-tile engine: loss and gradients of the belief-state objective without a pair tensor.
+//
+// Per tile of TP pairs (one thread owns a tile; every buffer below is per thread):
+//   z1 = A[r,i] + Bm[r,j]                          (TP, h1)   the split first layer, SPEC §3
+//   h_k = act(z_k),  z_{k+1} = h_k W_k^T + c_k      hidden layers
+//   x = h_last W_n^T + c_n                           (TP, 2V)   Next logits | Prev logits
+//   loss += sum_p w_p (lam CE(x_next, y_next) + (1 - lam) CE(x_prev, y_prev))
+// and, in the same pass, since the loss is a plain weighted sum of per-pair terms,
+//   g = dloss/dx = (softmax(x) - onehot(y)) * w_p * lam_half
+//   dW_n += g^T h_last, dc_n += sum_p g, dh_last = g W_n, back through the hidden layers to dz1,
+//   dA[r,i] += dz1, dBm[r,j] += dz1.
+// The logits of a tile are held whole (TP x 2V floats, a few MB): the softmax gradient needs the
+// logsumexp of the full row, and holding the tile avoids computing the logits twice.
+// Accumulators are per thread (float32) and reduced once at the end, so the result depends on
+// the thread count but not on timing.
+#include "bst_fast.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace bst_fast {
+namespace {
+
+enum class Act { Relu, LeakyRelu, Gelu, GeluTanh, Silu };
+
+Act parse_activation(const std::string& name) {
+  if (name == "relu") return Act::Relu;
+  if (name == "leaky_relu") return Act::LeakyRelu;
+  if (name == "gelu") return Act::Gelu;
+  if (name == "gelu_tanh") return Act::GeluTanh;
+  if (name == "silu") return Act::Silu;
+  TORCH_CHECK(false, "activation must be one of relu, leaky_relu, gelu, gelu_tanh, silu, got '",
+              name, "'");
+}
+
+void act_out(Act act, at::Tensor& out, const at::Tensor& z) {
+  switch (act) {
+    case Act::Relu: at::clamp_min_out(out, z, 0); break;
+    case Act::LeakyRelu: at::leaky_relu_out(out, z, 0.01); break;
+    case Act::Gelu: at::gelu_out(out, z, "none"); break;
+    case Act::GeluTanh: at::gelu_out(out, z, "tanh"); break;
+    case Act::Silu: at::silu_out(out, z); break;
+  }
+}
+
+// dz = dh * act'(z)
+at::Tensor act_backward(Act act, const at::Tensor& dh, const at::Tensor& z) {
+  switch (act) {
+    case Act::Relu: return at::threshold_backward(dh, z, 0);
+    case Act::LeakyRelu: return at::leaky_relu_backward(dh, z, 0.01, false);
+    case Act::Gelu: return at::gelu_backward(dh, z, "none");
+    case Act::GeluTanh: return at::gelu_backward(dh, z, "tanh");
+    case Act::Silu: return at::silu_backward(dh, z);
+  }
+  return dh;
+}
+
+// The pair set as a walkable sequence: either an explicit list or the implicit triangle of
+// SPEC §2, stored as one segment (r, i, j0, n) per prefix, so a tile is a range of flat indices.
+struct PairWalk {
+  const int64_t *row = nullptr, *pi = nullptr, *pj = nullptr;
+  std::vector<int64_t> seg_r, seg_i, seg_j0, seg_start;  // seg_start has one extra end entry
+  int64_t total = 0;
+
+  // Calls fn(p, r, i, j) for flat indices [begin, end).
+  template <typename F>
+  void walk(int64_t begin, int64_t end, F&& fn) const {
+    if (row != nullptr) {
+      for (int64_t p = begin; p < end; ++p) fn(p - begin, row[p], pi[p], pj[p]);
+      return;
+    }
+    auto s = std::upper_bound(seg_start.begin(), seg_start.end(), begin) - seg_start.begin() - 1;
+    for (int64_t p = begin; p < end; ++p) {
+      while (p >= seg_start[s + 1]) ++s;
+      fn(p - begin, seg_r[s], seg_i[s], seg_j0[s] + (p - seg_start[s]));
+    }
+  }
+};
+
+PairWalk all_pairs(const int64_t* len, const int64_t* start, int64_t B, int64_t min_gap,
+                   int64_t max_gap) {
+  PairWalk w;
+  for (const auto r : c10::irange(B)) {
+    for (int64_t i = std::max<int64_t>(start[r], 0); i + min_gap <= len[r] - 1; ++i) {
+      const int64_t last = std::min(i + max_gap, len[r] - 1);
+      w.seg_r.push_back(r);
+      w.seg_i.push_back(i);
+      w.seg_j0.push_back(i + min_gap);
+      w.seg_start.push_back(w.total);
+      w.total += last - (i + min_gap) + 1;
+    }
+  }
+  w.seg_start.push_back(w.total);
+  return w;
+}
+
+// Pairs per tile: the (TP, 2V) logits tile stays around 2 MB, and TP is never so small that the
+// GEMMs lose their efficiency.
+int64_t tile_pairs(int64_t two_v) {
+  return std::clamp<int64_t>((int64_t{1} << 19) / two_v, 32, 256);
+}
+
+struct Accum {  // one thread's gradient sums
+  at::Tensor dA, dB;
+  std::vector<at::Tensor> dW, dc;
+  double loss = 0.0;
+};
+
+void check_inputs(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weights,
+                  at::TensorList biases, const at::Tensor& tokens, const at::Tensor& lengths,
+                  const at::Tensor& prefix_start, int64_t min_gap, int64_t max_gap) {
+  TORCH_CHECK(A.dim() == 3, "A must be (B, L, h1), got ", A.sizes());
+  TORCH_CHECK(Bm.sizes() == A.sizes(), "Bm must have the shape of A ", A.sizes(), ", got ",
+              Bm.sizes());
+  TORCH_CHECK(A.scalar_type() == at::kFloat && Bm.scalar_type() == at::kFloat,
+              "A and Bm must be float32, got ", A.scalar_type(), " and ", Bm.scalar_type());
+  TORCH_CHECK(A.device().is_cpu() && Bm.device().is_cpu(), "A and Bm must be CPU tensors");
+  const int64_t B = A.size(0), L = A.size(1);
+  TORCH_CHECK(!weights.empty(), "weights must hold at least the output layer");
+  TORCH_CHECK(weights.size() == biases.size(), "weights and biases must have one entry per layer, got ",
+              weights.size(), " and ", biases.size());
+  int64_t width = A.size(2);
+  for (const auto k : c10::irange(weights.size())) {
+    TORCH_CHECK(weights[k].dim() == 2 && weights[k].size(1) == width &&
+                    weights[k].scalar_type() == at::kFloat && weights[k].device().is_cpu(),
+                "weights[", k, "] must be a float32 CPU (out, ", width, ") matrix, got ",
+                weights[k].sizes(), " ", weights[k].scalar_type());
+    width = weights[k].size(0);
+    TORCH_CHECK(biases[k].dim() == 1 && biases[k].size(0) == width &&
+                    biases[k].scalar_type() == at::kFloat && biases[k].device().is_cpu(),
+                "biases[", k, "] must be a float32 CPU (", width, ",) vector, got ",
+                biases[k].sizes());
+  }
+  TORCH_CHECK(width % 2 == 0 && width > 0, "the last layer must have 2V outputs, got ", width);
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) == L &&
+                  tokens.scalar_type() == at::kLong && tokens.device().is_cpu(),
+              "tokens must be int64 CPU (", B, ", ", L, "), got ", tokens.sizes(), " ",
+              tokens.scalar_type());
+  for (const auto* t : {&lengths, &prefix_start}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
+                    t->device().is_cpu(),
+                "lengths and prefix_start must be int64 CPU (", B, ",), got ", t->sizes());
+  }
+  TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
+  TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
+  auto len = lengths.contiguous();
+  auto ps = prefix_start.contiguous();
+  for (const auto r : c10::irange(B)) {
+    const int64_t n = len.data_ptr<int64_t>()[r];
+    TORCH_CHECK(n >= 0 && n <= L, "lengths[", r, "] must lie in [0, ", L, "], got ", n);
+    TORCH_CHECK(ps.data_ptr<int64_t>()[r] >= 0, "prefix_start[", r, "] must be >= 0");
+  }
+}
+
+}  // namespace
+
+PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
+                         at::TensorList weights_in, at::TensorList biases_in,
+                         const at::Tensor& tokens_in, const at::Tensor& lengths_in,
+                         const at::Tensor& prefix_start_in, int64_t min_gap, int64_t max_gap,
+                         const std::optional<at::Tensor>& row_in,
+                         const std::optional<at::Tensor>& i_in,
+                         const std::optional<at::Tensor>& j_in, const at::Tensor& weight_in,
+                         double next_weight, const std::string& activation, bool need_grad) {
+  check_inputs(A_in, Bm_in, weights_in, biases_in, tokens_in, lengths_in, prefix_start_in,
+               min_gap, max_gap);
+  TORCH_CHECK(next_weight >= 0.0 && next_weight <= 1.0, "next_weight must lie in [0, 1], got ",
+              next_weight);
+  const Act act = parse_activation(activation);
+  const auto A = A_in.contiguous(), Bm = Bm_in.contiguous();
+  const auto tokens = tokens_in.contiguous();
+  const auto lengths = lengths_in.contiguous(), prefix_start = prefix_start_in.contiguous();
+  std::vector<at::Tensor> W, c;
+  for (const auto k : c10::irange(weights_in.size())) {
+    W.push_back(weights_in[k].contiguous());
+    c.push_back(biases_in[k].contiguous());
+  }
+  const int64_t B = A.size(0), L = A.size(1), H1 = A.size(2);
+  const int64_t n_layers = static_cast<int64_t>(W.size());  // hidden layers + the output layer
+  const int64_t two_v = W.back().size(0), V = two_v / 2;
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+
+  // The pairs, checked here as well as in Python so that no call through torch.ops can read
+  // out of bounds.
+  const bool listed = row_in.has_value();
+  TORCH_CHECK(listed == i_in.has_value() && listed == j_in.has_value(),
+              "row, i and j must be given together");
+  PairWalk walk;
+  at::Tensor row, pi, pj, weight = weight_in.to(at::kDouble).contiguous();
+  if (listed) {
+    row = row_in->contiguous(), pi = i_in->contiguous(), pj = j_in->contiguous();
+    for (const auto* t : {&row, &pi, &pj}) {
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == row.size(0) && t->scalar_type() == at::kLong &&
+                      t->device().is_cpu(),
+                  "row, i and j must be int64 CPU vectors of one length, got ", t->sizes());
+    }
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == row.size(0),
+                "weight must hold one entry per pair (", row.size(0), "), got ", weight.sizes());
+    walk.row = row.data_ptr<int64_t>();
+    walk.pi = pi.data_ptr<int64_t>();
+    walk.pj = pj.data_ptr<int64_t>();
+    walk.total = row.size(0);
+    const int64_t* ps = prefix_start.data_ptr<int64_t>();
+    for (const auto p : c10::irange(walk.total)) {
+      const int64_t r = walk.row[p], i = walk.pi[p], j = walk.pj[p];
+      TORCH_CHECK(r >= 0 && r < B && i >= ps[r] && j >= i + min_gap && j <= i + max_gap &&
+                      j <= len[r] - 1,
+                  "pair ", p, " = (row=", r, ", i=", i, ", j=", j,
+                  ") is not a valid pair of SPEC §2");
+    }
+  } else {
+    TORCH_CHECK(weight.dim() == 0, "weight must be a 0-dim scale for all pairs, got ",
+                weight.sizes());
+    walk = all_pairs(len, prefix_start.data_ptr<int64_t>(), B, min_gap, max_gap);
+  }
+  for (const auto r : c10::irange(B)) {
+    for (const auto t : c10::irange(len[r])) {
+      const int64_t y = tok[r * L + t];
+      TORCH_CHECK(y >= 0 && y < V, "tokens[", r, ", ", t, "] = ", y, " must lie in [0, V=", V, ")");
+    }
+  }
+
+  const double* wts = weight.data_ptr<double>();
+  const double scale = listed ? 0.0 : wts[0];
+  const float lam[2] = {static_cast<float>(next_weight), static_cast<float>(1.0 - next_weight)};
+  const int64_t TP = tile_pairs(two_v);
+  const int64_t n_tiles = (walk.total + TP - 1) / TP;
+  const float* a_ptr = A.data_ptr<float>();
+  const float* b_ptr = Bm.data_ptr<float>();
+
+  const auto f32 = A.options();
+  std::vector<Accum> acc(std::max<int64_t>(at::get_num_threads(), 1));
+  auto new_accum = [&](Accum& s) {
+    if (!need_grad) return;
+    s.dA = at::zeros_like(A);
+    s.dB = at::zeros_like(Bm);
+    for (const auto k : c10::irange(n_layers)) {
+      s.dW.push_back(at::zeros_like(W[k]));
+      s.dc.push_back(at::zeros_like(c[k]));
+    }
+  };
+
+  at::parallel_for(0, n_tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    const int tid = at::get_thread_num();
+    Accum& s = acc.at(tid);
+    if (need_grad && !s.dA.defined()) new_accum(s);
+    // Per-thread buffers, reused by every tile of this thread.
+    std::vector<at::Tensor> z(n_layers), h(n_layers);  // z[k], h[k]: input of layer k (k >= 1)
+    z[0] = at::empty({TP, H1}, f32);
+    h[0] = at::empty({TP, H1}, f32);
+    for (const auto k : c10::irange(1, n_layers)) {
+      z[k] = at::empty({TP, W[k - 1].size(0)}, f32);
+      h[k] = at::empty({TP, W[k - 1].size(0)}, f32);
+    }
+    auto logits = at::empty({TP, two_v}, f32);
+    auto logp = at::empty({TP, 2, V}, f32);
+    std::vector<int64_t> pr(TP), pi_(TP), pj_(TP);
+    std::vector<float> pw(TP);
+
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t begin = t * TP, end = std::min(begin + TP, walk.total), n = end - begin;
+      float* z1 = z[0].data_ptr<float>();
+      walk.walk(begin, end, [&](int64_t p, int64_t r, int64_t i, int64_t j) {
+        pr[p] = r, pi_[p] = i, pj_[p] = j;
+        pw[p] = static_cast<float>(listed ? wts[begin + p] : scale);
+        const float* a = a_ptr + (r * L + i) * H1;
+        const float* bb = b_ptr + (r * L + j) * H1;
+        float* out = z1 + p * H1;
+        for (int64_t k = 0; k < H1; ++k) out[k] = a[k] + bb[k];
+      });
+      std::vector<at::Tensor> zt(n_layers), ht(n_layers);
+      for (const auto k : c10::irange(n_layers)) {
+        zt[k] = z[k].narrow(0, 0, n);
+        ht[k] = h[k].narrow(0, 0, n);
+        if (k > 0) at::addmm_out(zt[k], c[k - 1], ht[k - 1], W[k - 1].t());
+        act_out(act, ht[k], zt[k]);
+      }
+      auto x = logits.narrow(0, 0, n);
+      at::addmm_out(x, c.back(), ht.back(), W.back().t());
+      auto lp = logp.narrow(0, 0, n);
+      at::_log_softmax_out(lp, x.view({n, 2, V}), -1, false);
+
+      const float* lpp = lp.data_ptr<float>();
+      double tile_loss = 0.0;
+      for (const auto p : c10::irange(n)) {
+        const int64_t y0 = tok[pr[p] * L + pi_[p] + 1], y1 = tok[pr[p] * L + pj_[p] - 1];
+        tile_loss -= static_cast<double>(pw[p]) *
+                     (lam[0] * lpp[(p * 2) * V + y0] + lam[1] * lpp[(p * 2 + 1) * V + y1]);
+      }
+      s.loss += tile_loss;
+      if (!need_grad) continue;
+
+      // g = (softmax - onehot) * w * lam, written over the log-probabilities.
+      at::exp_(lp);
+      auto coef = at::empty({n, 2, 1}, f32);
+      float* cp = coef.data_ptr<float>();
+      for (const auto p : c10::irange(n)) cp[2 * p] = pw[p] * lam[0], cp[2 * p + 1] = pw[p] * lam[1];
+      lp.mul_(coef);
+      float* g = lp.data_ptr<float>();
+      for (const auto p : c10::irange(n)) {
+        g[(p * 2) * V + tok[pr[p] * L + pi_[p] + 1]] -= cp[2 * p];
+        g[(p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1]] -= cp[2 * p + 1];
+      }
+      auto g2 = lp.view({n, two_v});
+      s.dW.back().addmm_(g2.t(), ht.back());
+      s.dc.back().add_(g2.sum(0));
+      auto dh = at::mm(g2, W.back());  // (n, h_last)
+      for (int64_t k = n_layers - 1; k >= 1; --k) {
+        auto dz = act_backward(act, dh, zt[k]);
+        s.dW[k - 1].addmm_(dz.t(), ht[k - 1]);
+        s.dc[k - 1].add_(dz.sum(0));
+        dh = at::mm(dz, W[k - 1]);
+      }
+      auto dz1 = act_backward(act, dh, zt[0]).contiguous();
+      const float* d = dz1.data_ptr<float>();
+      float* dA = s.dA.data_ptr<float>();
+      float* dB = s.dB.data_ptr<float>();
+      for (const auto p : c10::irange(n)) {
+        float* ra = dA + (pr[p] * L + pi_[p]) * H1;
+        float* rb = dB + (pr[p] * L + pj_[p]) * H1;
+        const float* dp = d + p * H1;
+        for (int64_t k = 0; k < H1; ++k) ra[k] += dp[k];
+        for (int64_t k = 0; k < H1; ++k) rb[k] += dp[k];
+      }
+    }
+  });
+
+  // Reduce the per-thread sums once, in thread order.
+  double loss = 0.0;
+  Accum out;
+  new_accum(out);
+  for (auto& s : acc) {
+    loss += s.loss;
+    if (!need_grad || !s.dA.defined()) continue;
+    out.dA.add_(s.dA);
+    out.dB.add_(s.dB);
+    for (const auto k : c10::irange(n_layers)) {
+      out.dW[k].add_(s.dW[k]);
+      out.dc[k].add_(s.dc[k]);
+    }
+  }
+  if (!need_grad) {  // shapes stay those of the gradients, so the op's signature never changes
+    out.dA = at::zeros_like(A);
+    out.dB = at::zeros_like(Bm);
+    for (const auto k : c10::irange(n_layers)) {
+      out.dW.push_back(at::zeros_like(W[k]));
+      out.dc.push_back(at::zeros_like(c[k]));
+    }
+  }
+  return {at::scalar_tensor(loss, f32), out.dA, out.dB, out.dW, out.dc};
+}
+
+}  // namespace bst_fast

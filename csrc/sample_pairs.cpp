@@ -1,0 +1,82 @@
+// The SPEC §5 subsampler: k_r pairs of row r, uniform without replacement, by Floyd's algorithm.
+//
+// Floyd's algorithm draws a uniform k-subset of {0, ..., n-1} with exactly k random draws; the flat
+// index of a pair counts pairs in (i, j) order, so scanning the chosen indices in order yields the
+// pairs sorted. Each row has its own generator seeded from (seed, row): the draw is reproducible and
+// independent of how rows are scheduled.
+#include "bst_fast.h"
+
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <random>
+
+namespace bst_fast {
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& lengths_in,
+                                                            const at::Tensor& prefix_start_in,
+                                                            int64_t min_gap, int64_t max_gap,
+                                                            const at::Tensor& k_in, int64_t seed) {
+  TORCH_CHECK(lengths_in.dim() == 1 && lengths_in.scalar_type() == at::kLong && lengths_in.device().is_cpu(),
+              "lengths must be an int64 CPU vector, got ", lengths_in.sizes());
+  const int64_t B = lengths_in.size(0);
+  for (const auto* t : {&prefix_start_in, &k_in}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->device().is_cpu(),
+                "prefix_start and k must be int64 CPU (", B, ",), got ", t->sizes());
+  }
+  TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
+  TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
+  const auto lengths = lengths_in.contiguous(), prefix_start = prefix_start_in.contiguous(), k = k_in.contiguous();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* start = prefix_start.data_ptr<int64_t>();
+  const int64_t* kk = k.data_ptr<int64_t>();
+
+  std::vector<int64_t> out_r, out_i, out_j;
+  std::vector<int64_t> first;  // first flat index of each prefix i in this row
+  std::vector<char> chosen;
+  for (const auto r : c10::irange(B)) {
+    TORCH_CHECK(len[r] >= 0, "lengths[", r, "] must be >= 0, got ", len[r]);
+    TORCH_CHECK(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
+    // Count the row's pairs prefix by prefix (SPEC §2).
+    first.clear();
+    int64_t n = 0;
+    const int64_t i0 = start[r];
+    for (int64_t i = i0; i + min_gap <= len[r] - 1; ++i) {
+      first.push_back(n);
+      n += std::min(i + max_gap, len[r] - 1) - (i + min_gap) + 1;
+    }
+    TORCH_CHECK(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
+    if (kk[r] == 0) continue;
+    std::mt19937_64 gen(splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(static_cast<uint64_t>(r))));
+    chosen.assign(n, 0);
+    for (int64_t t = n - kk[r]; t < n; ++t) {
+      const int64_t v = std::uniform_int_distribution<int64_t>(0, t)(gen);
+      chosen[chosen[v] ? t : v] = 1;
+    }
+    int64_t s = 0;  // index into `first`: the prefix of the current flat index
+    for (int64_t p = 0; p < n; ++p) {
+      if (!chosen[p]) continue;
+      while (s + 1 < static_cast<int64_t>(first.size()) && first[s + 1] <= p) ++s;
+      const int64_t i = i0 + s;
+      out_r.push_back(r);
+      out_i.push_back(i);
+      out_j.push_back(i + min_gap + (p - first[s]));
+    }
+  }
+  auto to_tensor = [](const std::vector<int64_t>& v) {
+    return at::tensor(at::ArrayRef<int64_t>(v), at::kLong);
+  };
+  return {to_tensor(out_r), to_tensor(out_i), to_tensor(out_j)};
+}
+
+}  // namespace bst_fast
