@@ -165,6 +165,8 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
                          const std::optional<at::Tensor>& i_in,
                          const std::optional<at::Tensor>& j_in, const at::Tensor& weight_in,
                          double next_weight, const std::string& activation, bool need_grad) {
+  // The op's autograd rule lives in Python; below it, the ATen calls must not record a graph.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_inputs(A_in, Bm_in, weights_in, biases_in, tokens_in, lengths_in, prefix_start_in,
                min_gap, max_gap);
   TORCH_CHECK(next_weight >= 0.0 && next_weight <= 1.0, "next_weight must lie in [0, 1], got ",
@@ -245,6 +247,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   };
 
   at::parallel_for(0, n_tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd_in_worker;  // dispatch state is per thread
     const int tid = at::get_thread_num();
     Accum& s = acc.at(tid);
     if (need_grad && !s.dA.defined()) new_accum(s);
