@@ -22,6 +22,8 @@ in the backward phase, which recomputes each block's logits instead of storing (
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -79,8 +81,29 @@ def _act_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr, UP: tl.constexpr):
+    # float32 accumulation; UP upcasts the operands (exactly) first, because the CPU interpreter's
+    # bfloat16 dot is wrong (Triton 3.9). Compiled kernels never set it.
+    if UP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _cast(x, DT: tl.constexpr, UP: tl.constexpr):
+    # x (float32) as a dot operand of type DT. Under UP (interpreter, bfloat16) the scratch is
+    # float32 and the bfloat16 rounding is done by hand, round-to-nearest-even as on the GPU: the
+    # interpreter's own float32 -> bfloat16 cast truncates.
+    if UP:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
 def _logits(Hl, WL, cL, rows, rmask, P, K, HP: tl.constexpr, HL, BP: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, PREC: tl.constexpr):
+            BV: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     # (BP, BV) float32 logits of the last layer for the W_L rows `rows`: sum over K blocks of
     # h[:, kb] @ W_L[rows, kb]^T, plus the bias. h comes from the program's scratch Hl (BP, HP).
     acc = tl.zeros((BP, BV), dtype=tl.float32)
@@ -88,7 +111,7 @@ def _logits(Hl, WL, cL, rows, rmask, P, K, HP: tl.constexpr, HL, BP: tl.constexp
         k = kb + K
         h = tl.load(Hl + P[:, None] * HP + k[None, :])
         w = tl.load(WL + rows[:, None] * HL + k[None, :], mask=rmask[:, None] & (k[None, :] < HL), other=0.0)
-        acc += tl.dot(h, tl.trans(w), input_precision=PREC)
+        acc += _dot(h, tl.trans(w), PREC=PREC, UP=UP)
     return acc + tl.load(cL + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
 
 
@@ -102,6 +125,7 @@ def _pair_kernel(
     L, H1, HL, V, min_gap, max_gap, lam,
     NH: tl.constexpr, HP: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, ACT: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr, PREC: tl.constexpr,
+    UP: tl.constexpr,
 ):
     # Forward, per pair (i, j) of the tile (h_0 is not formed: the first layer is split):
     #   z_1 = A_i + B_j,  h_k = act(z_k),  z_{k+1} = W_k h_k + c_k  (k < NH),  z = W_L h_NH + c_L (2V)
@@ -156,7 +180,7 @@ def _pair_kernel(
             z = tl.load(A + ai[:, None] + k[None, :], mask=m2, other=0.0) + \
                 tl.load(Bm + bj[:, None] + k[None, :], mask=m2, other=0.0)
             tl.store(zs + P[:, None] * HP + k[None, :], z)
-            tl.store(hs + P[:, None] * HP + k[None, :], _act(z, ACT).to(Hs.dtype.element_ty))
+            tl.store(hs + P[:, None] * HP + k[None, :], _cast(_act(z, ACT), Hs.dtype.element_ty, UP))
         tl.debug_barrier()
 
         # ---- further hidden layers, K-blocked through the scratch
@@ -170,10 +194,10 @@ def _pair_kernel(
                     k = kb + K
                     h = tl.load(h_in + P[:, None] * HP + k[None, :])
                     wt = tl.load(w_l + n[:, None] * HP + k[None, :])
-                    acc += tl.dot(h, tl.trans(wt), input_precision=PREC)
+                    acc += _dot(h, tl.trans(wt), PREC=PREC, UP=UP)
                 z = acc + tl.load(ch + (l - 1) * HP + n)[None, :]
                 tl.store(zs + l * BP * HP + P[:, None] * HP + n[None, :], z)
-                tl.store(hs + l * BP * HP + P[:, None] * HP + n[None, :], _act(z, ACT).to(Hs.dtype.element_ty))
+                tl.store(hs + l * BP * HP + P[:, None] * HP + n[None, :], _cast(_act(z, ACT), Hs.dtype.element_ty, UP))
             tl.debug_barrier()
 
         # ---- last layer: online logsumexp over V blocks, Next half then Prev half
@@ -188,7 +212,7 @@ def _pair_kernel(
             for vb in range(0, V, BV):
                 col = vb + Vv
                 cm = col < V
-                zt = _logits(h_last, WL, cL, half * V + col, cm, P, K, HP, HL, BP, BK, BV, PREC)
+                zt = _logits(h_last, WL, cL, half * V + col, cm, P, K, HP, HL, BP, BK, BV, PREC, UP)
                 zt = tl.where(cm[None, :], zt, -1e30)
                 m_new = tl.maximum(mx, tl.max(zt, axis=1))
                 se = se * tl.exp(mx - m_new) + tl.sum(tl.exp(zt - m_new[:, None]), axis=1)
@@ -215,21 +239,21 @@ def _pair_kernel(
                     col = vb + Vv
                     cm = col < V
                     rows = half * V + col
-                    zt = _logits(h_last, WL, cL, rows, cm, P, K, HP, HL, BP, BK, BV, PREC)
+                    zt = _logits(h_last, WL, cL, rows, cm, P, K, HP, HL, BP, BK, BV, PREC, UP)
                     pr = tl.exp(zt - lse[:, None]) - tl.where(col[None, :] == y[:, None], 1.0, 0.0)
                     dz = tl.where(cm[None, :], pr * cw[:, None], 0.0)  # (BP, BV)
                     tl.atomic_add(dcL + rows, tl.sum(dz, axis=0), mask=cm)
-                    dzc = dz.to(Hs.dtype.element_ty)
+                    dzc = _cast(dz, Hs.dtype.element_ty, UP)
                     for kb in range(0, HP, BK):
                         k = kb + K
                         km = cm[:, None] & (k[None, :] < HL)
                         h = tl.load(h_last + P[:, None] * HP + k[None, :])
                         tl.atomic_add(dWL + rows[:, None] * HL + k[None, :],
-                                      tl.dot(tl.trans(dzc), h, input_precision=PREC), mask=km)
+                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP), mask=km)
                         wt = tl.load(WL + rows[:, None] * HL + k[None, :], mask=km, other=0.0)
                         dptr = ds + P[:, None] * HP + k[None, :]
                         # same pointers for load and store: each thread updates its own elements
-                        tl.store(dptr, tl.load(dptr) + tl.dot(dzc, wt, input_precision=PREC))
+                        tl.store(dptr, tl.load(dptr) + _dot(dzc, wt, PREC=PREC, UP=UP))
             tl.debug_barrier()
 
             # ---- back through the hidden layers; dh ping-pongs between scratch slots 0 and 1
@@ -251,10 +275,10 @@ def _pair_kernel(
                     acc = tl.zeros((BP, BK), dtype=tl.float32)
                     for nb in range(0, HP, BK):
                         n = nb + K
-                        dzc = tl.load(cur + P[:, None] * HP + n[None, :]).to(Hs.dtype.element_ty)
+                        dzc = _cast(tl.load(cur + P[:, None] * HP + n[None, :]), Hs.dtype.element_ty, UP)
                         tl.atomic_add(dWh + (l - 1) * HP * HP + n[:, None] * HP + k[None, :],
-                                      tl.dot(tl.trans(dzc), h, input_precision=PREC))
-                        acc += tl.dot(dzc, tl.load(w_l + n[:, None] * HP + k[None, :]), input_precision=PREC)
+                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP))
+                        acc += _dot(dzc, tl.load(w_l + n[:, None] * HP + k[None, :]), PREC=PREC, UP=UP)
                     tl.store(nxt + P[:, None] * HP + k[None, :], acc)
                 tl.debug_barrier()
 
@@ -340,7 +364,8 @@ class _PairLoss(torch.autograd.Function):
 
         f32 = dict(dtype=torch.float32, device=dev)
         Z = torch.empty(G, NH, BP, HP, **f32)
-        Hs = torch.empty(G, NH, BP, HP, dtype=dtype, device=dev)
+        up = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        Hs = torch.empty(G, NH, BP, HP, dtype=torch.float32 if up else dtype, device=dev)
         dH = torch.empty(G, 2, BP, HP, **f32) if need else Z[:1]
         loss_part = torch.empty(G, **f32)
         g_shape = lambda *s: torch.zeros(*s, **f32) if need else torch.zeros(1, **f32)
@@ -356,7 +381,7 @@ class _PairLoss(torch.autograd.Function):
                 loss_part, dA, dB, dWh, dch, dWL, dcL,
                 L, H1, HL, V, p.min_gap, p.max_gap, float(lam),
                 NH=NH, HP=HP, BI=BI, BJ=BJ, BK=BK, BV=BV, ACT=_ACT[activation], MODE=mode,
-                NEED_GRAD=need, PREC=prec, num_warps=cfg["num_warps"],
+                NEED_GRAD=need, PREC=prec, UP=up, num_warps=cfg["num_warps"],
             )
         else:
             loss_part.zero_()

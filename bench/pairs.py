@@ -1,0 +1,287 @@
+"""Throughput of the all-pairs belief-state loss: bst_fast against the materialised objective and its torch.compile.
+
+    python bench/pairs.py                      # CPU defaults: B=4, m=h=256, V=1000, float32, T in 32..512
+    python bench/pairs.py --device cuda --dtype bfloat16 --hidden 512 --layers 2 3 --vocab 1000 32000 --batch 32
+
+Forward + backward of the loss alone (f, b are leaves). Reports pairs/s, GFLOP/s of the per-pair head
+work (6 |P| h_last 2V: logits, their input gradient and the weight gradient) and peak memory growth;
+prints a table, writes bench/results/<device>.json and a PNG plot beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bst_fast import TextHead, belief_state_loss  # noqa: E402
+from bst_fast import reference  # noqa: E402
+from bst_fast._pairs import Pairs, pair_counts, pair_mask  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name().replace(" ", "-")
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu-{os.cpu_count()}core-" + "".join(c if c.isalnum() else "-" for c in cpu).strip("-")
+
+
+class PeakMemory:
+    """Peak memory growth of a block: CUDA allocator stats, or the process RSS sampled every 1 ms on CPU."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def _rss(self):
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        try:  # hand freed heap pages back, so the baseline is what is really held
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.base = self.peak = self._rss()
+        self.running = True
+
+        def sample():
+            while self.running:
+                self.peak = max(self.peak, self._rss())
+                time.sleep(0.001)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.growth = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.running = False
+            self.thread.join()
+            self.growth = max(self.peak, self._rss()) - self.base
+
+
+def timed(fn, device, reps):
+    """Median seconds of fn() over reps runs after one warm-up, and the peak memory growth of one run."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with PeakMemory(device) as mem:
+        fn()
+        sync()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), mem.growth
+
+
+def mm_rate(device, dtype, h, two_v):
+    """The machine's torch.mm GFLOP/s at the head's output-layer shape."""
+    a = torch.randn(4096, h, device=device, dtype=dtype)
+    w = torch.randn(h, two_v, device=device, dtype=dtype)
+    sec, _ = timed(lambda: a @ w, device, 10)
+    return 2 * 4096 * h * two_v / sec / 1e9
+
+
+def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
+    """The paper's objective with every pair materialised: reference.pair_loss on a given pair list."""
+    p = Pairs(lengths=None, prefix_start=None, min_gap=2, max_gap=0, counts=None, scale=scale,
+              row=row, i=i, j=j, weight=scale.expand(row.shape))
+    return reference.pair_loss(f, b, tokens, head, p, 0.5, vocab_size)
+
+
+def run_case(args, T, layers, V, compiled):
+    dev, dtype = args.device, getattr(torch, args.dtype)
+    B, L, m, h = args.batch, T + 2, args.d_model, args.hidden
+    torch.manual_seed(0)
+    head = TextHead(m, V, hidden=h, n_layers=layers, activation="gelu").to(dev, dtype)
+    f = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
+    b = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
+    tokens = torch.randint(0, V, (B, L), device=dev)
+    lengths = torch.full((B,), L, device=dev)
+    start = torch.zeros(B, dtype=torch.long, device=dev)
+    counts = pair_counts(lengths, start, 2, L, L)
+    n_pairs = int(counts.sum())
+    rows = []
+
+    def record(method, fn, reps, pairs=n_pairs):
+        sec, mem = timed(fn, dev, reps)
+        rows.append(dict(method=method, T=T, B=B, layers=layers, V=V, h=h, m=m, dtype=args.dtype,
+                         pairs=pairs, seconds=sec, pairs_per_s=pairs / sec,
+                         gflops=6 * pairs * h * 2 * V / sec / 1e9, peak_mem_mb=mem / 2**20))
+        r = rows[-1]
+        print(f"  {method:<16} T={T:<5} layers={layers} V={V:<6} {sec * 1e3:10.1f} ms "
+              f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
+
+    def fused(**kw):
+        def step():
+            f.grad = b.grad = None
+            head.zero_grad(set_to_none=True)
+            belief_state_loss(f, b, tokens, head, **kw).backward()
+        return step
+
+    reps = args.reps if n_pairs * h * V < 5e10 else 1
+    record("bst_fast", fused(), reps)
+    if T == args.subsample_T:
+        sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of SPEC §5
+        record("bst_fast pairs=0.02", fused(pairs=0.02, generator=torch.Generator().manual_seed(0)),
+               args.reps, pairs=sampled)
+
+    # The materialised objective holds the (pairs, 2m) input, (pairs, h) hiddens and several
+    # (pairs, 2V) logit-sized tensors at once; skip it where that would not fit.
+    itemsize = torch.finfo(dtype).bits // 8
+    need = n_pairs * (4 * m + 4 * h * (layers - 1) + 2 * V * (2 * itemsize + 8)) + 0.0
+    limit = args.mem_limit_gb * 2**30
+    if need > limit:
+        note = f"skipped: needs about {need / 2**30:.1f} GB > --mem-limit-gb {args.mem_limit_gb}"
+        print(f"  materialised     T={T:<5} {note}")
+        rows.append(dict(method="materialised", T=T, layers=layers, V=V, note=note))
+        if compiled is not None:
+            rows.append(dict(method="torch.compile", T=T, layers=layers, V=V, note=note))
+        return rows
+    mask = pair_mask(lengths, start, 2, L, L)
+    row, i, j = mask.nonzero(as_tuple=True)
+    del mask
+    scale = torch.tensor(1.0 / n_pairs, device=dev, dtype=torch.float64)
+
+    def mat(fn):
+        def step():
+            f.grad = b.grad = None
+            head.zero_grad(set_to_none=True)
+            fn(f, b, tokens, head, row, i, j, scale, V).backward()
+        return step
+
+    record("materialised", mat(materialised), reps)
+    if compiled is not None:
+        record("torch.compile", mat(compiled), reps)
+    return rows
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["method"], r["layers"], r["V"]) for r in rows if "gflops" in r})
+    for method, layers, V in keys:
+        pts = sorted((r["T"], r["pairs_per_s"]) for r in rows
+                     if "gflops" in r and (r["method"], r["layers"], r["V"]) == (method, layers, V))
+        ax.plot(*zip(*pts), marker="o", label=f"{method} ({layers} layers, V={V})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens per row)")
+    ax.set_ylabel("pairs / s (forward + backward)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--T", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[1000])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--mem-limit-gb", type=float, default=None,
+                    help="skip the materialised objective above this estimate (default: 60%% of free memory)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
+    args = ap.parse_args(argv)
+    if args.mem_limit_gb is None:
+        if args.device == "cuda":
+            free = torch.cuda.mem_get_info()[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        args.mem_limit_gb = round(0.6 * free / 2**30, 1)
+
+    name = device_name(args.device)
+    print(f"device: {name}  threads: {torch.get_num_threads()}  torch {torch.__version__}  dtype {args.dtype}")
+    compiled = None if args.no_compile else torch.compile(materialised, dynamic=True)
+    rows, rates = [], {}
+    for layers in args.layers:
+        for V in args.vocab:
+            rates[V] = rates.get(V) or mm_rate(args.device, getattr(torch, args.dtype), args.hidden, 2 * V)
+            print(f"torch.mm at ({4096}x{args.hidden}) @ ({args.hidden}x{2 * V}): {rates[V]:.1f} GFLOP/s")
+            for T in args.T:
+                rows += run_case(args, T, layers, V, compiled)
+
+    # The targets, from numbers of this one run.
+    summary = []
+    for layers in args.layers:
+        for V in args.vocab:
+            at = {r["method"]: r for r in rows if r["T"] == args.subsample_T and r["layers"] == layers
+                  and r["V"] == V and "seconds" in r}
+            fused = at.get("bst_fast")
+            if not fused:
+                continue
+            s = dict(T=args.subsample_T, layers=layers, V=V, mm_gflops=rates[V],
+                     fraction_of_mm=fused["gflops"] / rates[V])
+            if "materialised" in at:
+                s["speedup_vs_materialised"] = at["materialised"]["seconds"] / fused["seconds"]
+                s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
+            if "torch.compile" in at:
+                s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
+            if "bst_fast pairs=0.02" in at:
+                s["subsample_time_fraction"] = at["bst_fast pairs=0.02"]["seconds"] / fused["seconds"]
+            summary.append(s)
+
+    print("\n| method | T | layers | V | ms | pairs/s | GFLOP/s | peak MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "seconds" in r:
+            print(f"| {r['method']} | {r['T']} | {r['layers']} | {r['V']} | {r['seconds'] * 1e3:.1f} | "
+                  f"{r['pairs_per_s']:.3g} | {r['gflops']:.1f} | {r['peak_mem_mb']:.1f} |")
+        else:
+            print(f"| {r['method']} | {r['T']} | {r['layers']} | {r['V']} | {r['note']} | | | |")
+    for s in summary:
+        print("\nat T={T}, {layers} layers, V={V}: ".format(**s)
+              + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "layers", "V")))
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"{name}.json"
+    meta = dict(device=name, threads=torch.get_num_threads(), torch=torch.__version__, args=vars(args))
+    out.write_text(json.dumps(dict(meta=meta, mm_gflops=rates, rows=rows, summary=summary), indent=1))
+    plot(rows, out.with_suffix(".png"), f"{name}, B={args.batch}, m={args.d_model}, h={args.hidden}, {args.dtype}")
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

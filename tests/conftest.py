@@ -1,0 +1,12 @@
+"""Shared pytest setup: Triton runs through its CPU interpreter when there is no GPU."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is first imported anywhere in the session.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (realistic sizes); skipped without one")
