@@ -80,12 +80,12 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
 
     # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
     # the global RNG; the C++ sampler derives one stream per row from it.
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    dev = generator.device if generator is not None else "cpu"
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
     row, i, j = torch.ops.bst_fast.sample_pairs(
         lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed
     )
-    dev = lengths.device
-    return row.to(dev), i.to(dev), j.to(dev)
+    return row.to(lengths.device), i.to(lengths.device), j.to(lengths.device)
 
 
 def _fail(cls, msg):

@@ -52,12 +52,12 @@ def _act(z, ACT: tl.constexpr):
     elif ACT == 2:
         return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == 3:
-        # tanh(u) = 1 - 2 / (1 + e^{2u}): exp overflow gives the right limits +-1
+        # tanh(u) = 1 - 2 / (1 + e^{2u}); the clamp keeps e^{2u} finite (tanh is 1 there to float32)
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
         return 0.5 * z * (1.0 + t)
     else:
-        return z / (1.0 + tl.exp(-z))
+        return z / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
 
 
 @triton.jit
@@ -72,11 +72,11 @@ def _act_grad(z, ACT: tl.constexpr):
         return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
     elif ACT == 3:
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
     else:
-        s = 1.0 / (1.0 + tl.exp(-z))
+        s = 1.0 / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
         return s * (1.0 + z * (1.0 - s))
 
 
