@@ -140,28 +140,34 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         lengths = torch.full((B,), L, dtype=torch.int64, device=dev)
     else:
         lengths = _as_row_vector(lengths, "lengths", B, dev)
-        if bool(((lengths < 0) | (lengths > L)).any()):
-            r = int(((lengths < 0) | (lengths > L)).nonzero()[0])
-            _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
     prefix_start = _as_row_vector(prefix_start, "prefix_start", B, dev)
-    if bool((prefix_start < 0).any()):
-        r = int((prefix_start < 0).nonzero()[0])
-        _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
     gmax = L if max_gap is None else min(max_gap, L)
-
-    # Every token a row can use as a label must be a vocabulary index; padding is not checked.
-    valid = torch.arange(L, device=dev)[None] < lengths[:, None]
-    bad = valid & ((tokens < 0) | (tokens >= vocab_size))
-    if bool(bad.any()):
-        r, t = (int(x) for x in bad.nonzero()[0])
-        _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+    # Checks of values need the host; under torch.compile they are left to the C++ op, which
+    # makes the same checks, so that the traced graph has no break.
+    checking = not torch.compiler.is_compiling()
+    if checking:
+        bad_len = (lengths < 0) | (lengths > L)
+        bad_start = prefix_start < 0
+        # Every token a row can use as a label must be a vocabulary index; padding is not checked.
+        valid = torch.arange(L, device=dev)[None] < lengths.clamp(0, L)[:, None]
+        bad_tok = valid & ((tokens < 0) | (tokens >= vocab_size))
+        any_bad = torch.stack([bad_len.any(), bad_start.any(), bad_tok.any()]).tolist()  # one sync
+        if any_bad[0]:
+            r = int(bad_len.nonzero()[0])
+            _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
+        if any_bad[1]:
+            r = int(bad_start.nonzero()[0])
+            _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
+        if any_bad[2]:
+            r, t = (int(x) for x in bad_tok.nonzero()[0])
+            _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
 
     counts = pair_counts(lengths, prefix_start, min_gap, gmax, L)
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax, counts=counts)
     total = counts.sum()
 
     if pairs is None:
-        if int(total) == 0:
+        if checking and int(total) == 0:
             _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
         scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)
         return Pairs(scale=scale, **common)
@@ -180,7 +186,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         in_batch = (row >= 0) & (row < B)
         rc = row.clamp(0, max(B - 1, 0))
         ok = in_batch & (i >= prefix_start[rc]) & (j >= i + min_gap) & (j <= i + gmax) & (j <= lengths[rc] - 1)
-        if not bool(ok.all()):
+        if checking and not bool(ok.all()):
             k = int((~ok).nonzero()[0])
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
                               f"SPEC §2 needs 0 <= row < {B}, prefix_start <= i and "
