@@ -87,13 +87,15 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         raise ValueError(f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}")
     if f.dtype == torch.float64:
         raise ValueError(f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through 'torch' or 'reference'")
-    if name == "cpp":
-        from . import _ops
+    # The fused engines choose their own precision (SPEC §6); autocast must not recast inside them.
+    with torch.autocast(device_type=f.device.type, enabled=False):
+        if name == "cpp":
+            from . import _ops
 
-        return _ops.pair_loss(f, b, tokens, head, p, next_weight)
-    from . import _triton
+            return _ops.pair_loss(f, b, tokens, head, p, next_weight)
+        from . import _triton
 
-    return _triton.pair_loss(f, b, tokens, head, p, next_weight)
+        return _triton.pair_loss(f, b, tokens, head, p, next_weight)
 
 
 class BeliefStateLoss(nn.Module):

@@ -1,0 +1,219 @@
+"""The Belief State Transformer: GPT-2-style forward and backward encoders, a TextHead, an optional GPT head."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .head import TextHead
+from .loss import belief_state_loss
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 56  # tokens, specials included
+    max_len: int = 64  # positions the encoders can read (learned position embeddings)
+    n_layer: int = 4  # transformer blocks per encoder
+    d_model: int = 128  # width m of the residual stream and of f, b
+    n_head: int = 4  # attention heads; d_model must divide by it
+    mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
+    dropout: float = 0.0  # on attention, MLP and embeddings
+    shared_encoders: bool = False  # one encoder for both directions, told apart by a segment embedding
+    head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
+    head_layers: int = 2  # TextHead Linear layers
+    head_activation: str = "gelu"  # TextHead activation
+    gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with causal SDPA attention."""
+
+    def __init__(self, d: int, n_head: int, mlp_ratio: float, dropout: float):
+        super().__init__()
+        if d % n_head:
+            raise ValueError(f"d_model ({d}) must be divisible by n_head ({n_head})")
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        hidden = max(1, int(round(mlp_ratio * d)))
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d), nn.Dropout(dropout))
+
+    def attend(self, x, cache=None):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
+        if cache is not None:  # incremental decoding: (k, v) of the positions already read
+            if cache.get("k") is not None:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        causal = cache is None or T > 1
+        if cache is not None and T > 1 and k.shape[2] != T:
+            raise ValueError("a cached encoder reads a prompt once, then one token at a time")
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+    def forward(self, x, cache=None):
+        x = x + self.attend(self.ln1(x), cache)
+        return x + self.mlp(self.ln2(x))
+
+
+class Encoder(nn.Module):
+    """GPT-2-style causal encoder: token + learned position (+ segment) embeddings, blocks, final LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig, segments: int = 0):
+        super().__init__()
+        self.max_len = cfg.max_len
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.seg = nn.Embedding(segments, cfg.d_model) if segments else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head, cfg.mlp_ratio, cfg.dropout)
+                                    for _ in range(cfg.n_layer))
+        self.ln = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, tokens, segment: int = 0, caches=None, offset: int = 0):
+        """(B, T) token ids -> (B, T, m) states; position t has read tokens[:, :t+1]."""
+        T = tokens.shape[1]
+        if offset + T > self.max_len:
+            raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")
+        pos = torch.arange(offset, offset + T, device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)[None]
+        if self.seg is not None:
+            x = x + self.seg.weight[segment]
+        x = self.drop(x)
+        for k, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[k])
+        return self.ln(x)
+
+
+def reverse_valid(tokens, lengths):
+    """Each row's valid part reversed, padding kept at the end: out[r, t] = tokens[r, len_r - 1 - t]."""
+    L = tokens.shape[1]
+    t = torch.arange(L, device=tokens.device)[None]
+    idx = (lengths[:, None] - 1 - t).clamp(min=0)
+    out = tokens.gather(1, idx)
+    return torch.where(t < lengths[:, None], out, tokens), idx
+
+
+def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None):
+    """Plain next-token CE of lm_head(f_i) against tokens[i+1] over positions prefix_start <= i <= len - 2."""
+    L = tokens.shape[1]
+    i = torch.arange(L - 1, device=tokens.device)[None]
+    ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
+    mask = (i >= ps) & (i <= lengths[:, None] - 2)  # (B, L-1)
+    ce = F.cross_entropy(lm_head(f[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
+    return (ce * mask).sum() / (mask.sum() if total is None else total)
+
+
+def greedy(encoder, next_logits, prefix, n_new):
+    """Greedy decoding with a KV-cached encoder: (B, P) prompt -> (B, n_new); next_logits(f) -> (B, V)."""
+    caches = [dict() for _ in encoder.blocks]
+    f = encoder(prefix, 0, caches)[:, -1]
+    out = []
+    for step in range(n_new):
+        out.append(next_logits(f).argmax(-1))  # (B,)
+        if step + 1 < n_new:
+            f = encoder(out[-1][:, None], 0, caches, offset=prefix.shape[1] + step)[:, -1]
+    return torch.stack(out, 1)
+
+
+def _init_weights(module):
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+
+class BeliefStateTransformer(nn.Module):
+    """Forward encoder F, backward encoder B (separate or shared), TextHead, optional GPT head (SPEC §1-§4)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.forward_encoder = Encoder(cfg, segments=2 if cfg.shared_encoders else 0)
+        self.backward_encoder = None if cfg.shared_encoders else Encoder(cfg)
+        self.head = TextHead(cfg.d_model, cfg.vocab_size, cfg.head_hidden, cfg.head_layers, cfg.head_activation)
+        self.gpt = nn.Linear(cfg.d_model, cfg.vocab_size) if cfg.gpt_head else None
+        _init_weights(self)
+
+    def prefix_states(self, tokens):
+        """f: (B, L, m); f[r, i] has read tokens[r, 0..i]."""
+        return self.forward_encoder(tokens, segment=0)
+
+    def suffix_states(self, tokens, lengths=None):
+        """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
+        if lengths is None:
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        rev, idx = reverse_valid(tokens, lengths)
+        if self.backward_encoder is None:
+            states = self.forward_encoder(rev, segment=1)
+        else:
+            states = self.backward_encoder(rev)
+        # The state at reversed position len-1-j has read the suffix from j: gather it back to j.
+        return states.gather(1, idx[..., None].expand_as(states))
+
+    def empty_suffix(self, eos_id: int):
+        """B(∅): the backward state of a sequence holding EOS alone, (m,)."""
+        eos = torch.full((1, 1), eos_id, dtype=torch.long, device=self.head.layers[0].weight.device)
+        return self.suffix_states(eos)[0, 0]
+
+    def logits(self, f, b):
+        """Next and Prev logits, each (..., V), for prefix states f and suffix states b (broadcast)."""
+        f, b = torch.broadcast_tensors(f, b)
+        out = self.head(torch.cat([f, b], dim=-1))
+        V = self.cfg.vocab_size
+        return out[..., :V], out[..., V:]
+
+    def forward(self, tokens, lengths=None, *, prefix_start=0, pairs=None, next_weight=0.5, gamma=0.0,
+                generator=None, pair_total=None, token_total=None, backend="auto"):
+        """Losses of a batch: dict(total, belief, gpt). pair_total / token_total replace the batch's own
+        pair and token counts as the mean's divisor (set by the trainer so that ranks average exactly)."""
+        if lengths is None:
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        f = self.prefix_states(tokens)
+        b = self.suffix_states(tokens, lengths)
+        red = "mean" if pair_total is None else "sum"
+        belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
+                                   pairs=pairs, next_weight=next_weight, reduction=red,
+                                   generator=generator, backend=backend)
+        if pair_total is not None:
+            belief = belief / pair_total
+        out = {"belief": belief, "gpt": None, "total": belief}
+        if self.gpt is not None and gamma > 0:
+            out["gpt"] = next_token_loss(self.gpt, f, tokens, lengths, prefix_start, token_total)
+            out["total"] = gamma * out["gpt"] + (1 - gamma) * belief
+        return out
+
+    @torch.no_grad()
+    def generate(self, prefix, n_new: int, eos_id: int):
+        """Greedy decoding with the empty suffix: (B, P) prompt -> (B, n_new) tokens."""
+        b_empty = self.empty_suffix(eos_id)
+        return greedy(self.forward_encoder, lambda f: self.logits(f, b_empty)[0], prefix, n_new)
+
+
+class ForwardOnly(nn.Module):
+    """The forward-only (GPT) baseline: the same Encoder with a next-token head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.forward_encoder = Encoder(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        _init_weights(self)
+
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
+        if lengths is None:
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        loss = next_token_loss(self.lm_head, self.forward_encoder(tokens), tokens, lengths, prefix_start, token_total)
+        return {"total": loss, "gpt": loss, "belief": None}
+
+    @torch.no_grad()
+    def generate(self, prefix, n_new: int, eos_id: int = 0):
+        """Greedy decoding: (B, P) prompt -> (B, n_new) tokens."""
+        return greedy(self.forward_encoder, self.lm_head, prefix, n_new)
