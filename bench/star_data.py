@@ -1,0 +1,53 @@
+"""Star-graph generation speed (graphs/s, one core): raw generator, deduplicated splits, stream.
+
+    python bench/star_data.py [--n 200000] [--json bench/results/star_data.json]
+"""
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from bst_fast.data import StarGraphData, StarGraphStream, generate_star_graphs
+
+
+def rate(fn, n, repeat=3):
+    best = float("inf")
+    for _ in range(repeat):  # best of a few: the machine is shared
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return n / best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=200_000, help="graphs per timing")
+    ap.add_argument("--nodes", type=int, default=50, help="N, as in the paper")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    n, big_n = args.n, args.nodes
+    rows = []
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, numpy {np.__version__}")
+    print(f"{'graph':>8} {'L':>4} {'generate/s':>12} {'split/s':>12} {'stream(256)/s':>14}")
+    for d, l in [(2, 5), (5, 5), (2, 20)]:
+        gen = rate(lambda: generate_star_graphs(n, d, l, big_n, seed=0), n)
+        # StarGraphData: 10k test graphs, n train graphs with the test graphs excluded
+        split = rate(lambda: StarGraphData(d, l, big_n, n_train=n, n_test=10_000, seed=0), n + 10_000,
+                     repeat=1)
+        data = StarGraphData(d, l, big_n, n_train=10, n_test=10_000, seed=0)
+        stream = StarGraphStream(d, l, big_n, seed=0, exclude=data)
+        steps = max(1, n // 256)
+        st = rate(lambda: [stream.batch(k, 256) for k in range(steps)], steps * 256, repeat=1)
+        rows.append(dict(d=d, l=l, n_nodes=big_n, row_length=data.row_length,
+                         generate_per_s=gen, split_per_s=split, stream_per_s=st))
+        print(f"{f'G({d},{l})':>8} {data.row_length:>4} {gen:>12,.0f} {split:>12,.0f} {st:>14,.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""bst_fast.train: AdamW + warmup/cosine training of a BST (or the forward-only baseline) with exact resume and DDP."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ._pairs import pair_counts
+from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
+
+METHODS = ("bst", "forward")
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train ---
+    method: str = "bst"  # "bst": the belief-state objective; "forward": next-token baseline
+    data: str = "star"  # "star" for star graphs, else a text file or folder
+    star_degree: int = 2  # d of G(d, l): arms from the start node
+    star_path_len: int = 5  # l of G(d, l): nodes on the path, start and goal included
+    star_nodes: int = 50  # N: node labels to draw from
+    n_train: int = 0  # fixed set of training graphs; 0 streams fresh graphs every step
+    n_test: int = 500  # held-out graphs for path accuracy (never trained on)
+    text_vocab: int = 1000  # BPE vocabulary for text data (the paper: 1000)
+    max_len: int = 256  # text documents are cut to at most this many tokens
+    model: ModelConfig = field(default_factory=ModelConfig)  # vocab_size / max_len are set from the data
+    # --- objective ---
+    pairs: Optional[float] = None  # None: all prefix/suffix pairs; a fraction in (0, 1]: subsample
+    next_weight: float = 0.5  # lambda: Next vs Prev weight of the belief loss
+    gamma: float = 0.0  # weight of the plain next-token head on f (adds that head when > 0)
+    backend: str = "auto"  # belief_state_loss backend
+    # --- optimisation ---
+    steps: int = 2000  # optimizer steps
+    batch_size: int = 64  # global batch (split over DDP ranks)
+    lr: float = 3e-4  # peak learning rate
+    min_lr: float = 3e-5  # end of the cosine decay
+    warmup: int = 100  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW, on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    # --- runtime ---
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    compile: bool = False  # torch.compile the encoders
+    seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
+    out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard
+    eval_every: int = 250  # steps between evaluations (and at the end)
+    ckpt_every: int = 500  # steps between checkpoints (and at the end); 0: only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    log_every: int = 10  # steps between progress-bar / CSV updates
+    progress: bool = True  # tqdm progress bar
+
+    # ---- loading ----
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
+        return _from_dict(cls, d, "")
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "TrainConfig":
+        """A config from a .yaml/.yml or .json file."""
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            d = yaml.safe_load(text) or {}
+        else:
+            d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"config {path} must hold a mapping of fields, got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self):
+        def bad(name, want):
+            raise ValueError(f"config field {name!r} must be {want}, got {getattr(self, name)!r}")
+
+        if self.method not in METHODS:
+            bad("method", f"one of {METHODS}")
+        for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if self.star_path_len < 2:
+            bad("star_path_len", ">= 2")
+        if self.max_len < 4:
+            bad("max_len", ">= 4")
+        for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                bad(name, ">= 0")
+        if self.pairs is not None and not 0.0 < self.pairs <= 1.0:
+            bad("pairs", "None or a fraction in (0, 1]")
+        if not 0.0 <= self.next_weight <= 1.0:
+            bad("next_weight", "in [0, 1]")
+        if not 0.0 <= self.gamma <= 1.0:
+            bad("gamma", "in [0, 1]")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            bad("min_lr", f"in [0, lr={self.lr}] with lr > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", "'auto', 'cpu' or 'cuda'")
+        return self
+
+
+def _from_dict(cls, d, prefix):
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        name = prefix + key
+        if key not in known:
+            raise ValueError(f"config field {name!r} is unknown; known fields: {sorted(known)}")
+        default = known[key].default_factory() if known[key].default_factory is not dataclasses.MISSING else known[key].default
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ValueError(f"config field {name!r} must be a mapping, got {value!r}")
+            value = _from_dict(type(default), value, name + ".")
+        elif default is not None and value is not None:
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            if key == "head_hidden" and isinstance(value, list):
+                ok = all(isinstance(v, int) for v in value)
+            if not ok:
+                raise ValueError(f"config field {name!r} must be {want.__name__}, got {value!r}")
+        elif key == "pairs" and value is not None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"config field {name!r} must be None or a fraction, got {value!r}")
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- data
+
+class _StarTask:
+    """Star-graph batches and path-accuracy evaluation (SPEC §7)."""
+
+    def __init__(self, cfg: TrainConfig):
+        from .data import StarGraphData, StarGraphStream, StarGraphTokenizer
+
+        self.tok = StarGraphTokenizer(cfg.star_nodes)
+        self.data = StarGraphData(cfg.star_degree, cfg.star_path_len, cfg.star_nodes,
+                                  n_train=cfg.n_train, n_test=cfg.n_test, seed=cfg.seed)
+        self.stream = None if cfg.n_train else StarGraphStream(
+            cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
+        self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
+        self.prefix_start = self.data.prefix_start
+        self.seed = cfg.seed
+
+    def batch(self, step, batch_size):
+        rows = self.stream.batch(step, batch_size) if self.stream else self.data.batch(step, batch_size, self.seed)
+        return rows, torch.full((rows.shape[0],), rows.shape[1], dtype=torch.long)
+
+    @torch.no_grad()
+    def evaluate(self, model, device):
+        from .data import path_accuracy
+
+        was = model.training
+        model.eval()
+        eos = self.tok.eos_id
+
+        def generate(prefix, n_new):
+            return model.generate(prefix.to(device), n_new, eos_id=eos).cpu()
+
+        acc = path_accuracy(generate, self.data.test_tokens, self.prefix_start, self.data.path_len)
+        model.train(was)
+        return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
+
+
+class _TextTask:
+    """BPE-tokenised text batches and held-out loss."""
+
+    def __init__(self, cfg: TrainConfig):
+        from .data import TextData, load_tokenizer, save_tokenizer, train_bpe
+
+        path = Path(cfg.out_dir) / "tokenizer.json"
+        if path.exists():
+            tokenizer = load_tokenizer(path)
+        else:
+            tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_tokenizer(tokenizer, path)
+        self.data = TextData(cfg.data, tokenizer, cfg.max_len, seed=cfg.seed)
+        self.vocab_size, self.max_len, self.prefix_start = tokenizer.get_vocab_size(), cfg.max_len, 0
+        self.seed, self.cfg = cfg.seed, cfg
+
+    def batch(self, step, batch_size):
+        return self.data.batch(step, batch_size, self.seed)
+
+    @torch.no_grad()
+    def evaluate(self, model, device):
+        was = model.training
+        model.eval()
+        losses = []
+        for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.cfg.batch_size)):
+            out = model(tokens.to(device), lengths.to(device), next_weight=self.cfg.next_weight,
+                        gamma=self.cfg.gamma, pairs=self.cfg.pairs, backend=self.cfg.backend,
+                        generator=torch.Generator().manual_seed(k))
+            losses.append(float(out["total"]))
+        model.train(was)
+        return {"held_out_loss": sum(losses) / max(len(losses), 1)}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def _atomic_write(path: Path, write):
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int):
+    """out_dir/checkpoints/step-N/{model.safetensors, state.pt, config.json}, then `latest` names it.
+
+    The folder is written under a temporary name and renamed, and `latest` is replaced atomically,
+    so a kill at any moment leaves the previous checkpoint as the latest complete one."""
+    from safetensors.torch import save_file
+
+    root = Path(out_dir) / "checkpoints"
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state()}, tmp / "state.pt")
+    (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write(root / "latest", lambda p: p.write_text(final.name))
+    for old in sorted(root.glob("step-*"))[:-keep] if keep else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir) -> Optional[Path]:
+    latest = Path(out_dir) / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    path = latest.parent / latest.read_text().strip()
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} named by {latest} is missing")
+    return path
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None):
+    """Loads weights (and optimizer, scheduler, RNG); a corrupt or mismatched checkpoint raises ValueError."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise ValueError(f"checkpoint {path} is corrupt or unreadable: {e}") from e
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = [k for k in own if k in weights and own[k].shape != weights[k].shape]
+    if missing or extra or shapes:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}, shape mismatch {[(k, tuple(weights[k].shape), tuple(own[k].shape)) for k in shapes[:5]]}")
+    model.load_state_dict(weights)
+    state = {"step": 0}
+    if optimizer is not None:
+        try:
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+        except Exception as e:
+            raise ValueError(f"checkpoint {path} has a corrupt or mismatched state.pt: {e}") from e
+    return state["step"]
+
+
+def load_model(path, device="cpu"):
+    """(model, TrainConfig) from a checkpoint folder (or a run folder, taking its latest checkpoint)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise ValueError(f"{path} is neither a checkpoint folder nor a run folder with checkpoints")
+        path = found
+    cfg = TrainConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model = build_model(cfg).to(device)
+    load_checkpoint(path, model)
+    return model, cfg
+
+
+# ---------------------------------------------------------------- training
+
+def build_task(cfg: TrainConfig):
+    task = _StarTask(cfg) if cfg.data == "star" else _TextTask(cfg)
+    cfg.model.vocab_size, cfg.model.max_len = task.vocab_size, task.max_len
+    cfg.model.gpt_head = cfg.gamma > 0
+    return task
+
+
+def build_model(cfg: TrainConfig):
+    return BeliefStateTransformer(cfg.model) if cfg.method == "bst" else ForwardOnly(cfg.model)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step):
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return (cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))) / cfg.lr
+    return f
+
+
+def _optimizer(model, cfg):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+class _Metrics:
+    def __init__(self, out_dir, enabled):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.csv"
+        self.tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            except Exception:  # tensorboard is optional
+                self.tb = None
+
+    def log(self, step, row):
+        if not self.enabled:
+            return
+        row = {"step": step, **row}
+        new = not self.path.exists()
+        with self.path.open("a", newline="") as fh:
+            w = csv.writer(fh)
+            if new:
+                w.writerow(["step", "key", "value"])
+            for k, v in row.items():
+                if k != "step":
+                    w.writerow([step, k, v])
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+
+
+def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
+          stop_at: Optional[int] = None) -> Dict[str, float]:
+    """Trains per cfg; returns the last evaluation's metrics plus the training rates.
+
+    stop_at ends this call after that step with a checkpoint, as a pre-empted job would; a later
+    call with resume=True continues to exactly the parameters of an uninterrupted run.
+
+    Under torchrun (WORLD_SIZE > 1) it runs DDP (NCCL on GPU, gloo on CPU); every rank draws the
+    same global batch and takes its share of rows, and each rank's loss is divided by the global
+    pair and token counts, so the averaged gradient equals that of one process on the whole batch.
+    """
+    if isinstance(cfg, dict):
+        cfg = TrainConfig.from_dict(cfg)
+    cfg.check()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cfg.batch_size % world:
+        raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world})")
+
+    torch.manual_seed(cfg.seed)
+    task = build_task(cfg)
+    model = build_model(cfg).to(device)
+    if cfg.compile:
+        model.forward_encoder = torch.compile(model.forward_encoder)
+        if getattr(model, "backward_encoder", None) is not None:
+            model.backward_encoder = torch.compile(model.backward_encoder)
+    optimizer = _optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    out_dir = Path(cfg.out_dir)
+    start = 0
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+        saved = json.loads((ckpt / "config.json").read_text())
+        if saved.get("model") != cfg.to_dict()["model"]:
+            diff = {k: (saved.get("model", {}).get(k), v) for k, v in cfg.to_dict()["model"].items()
+                    if saved.get("model", {}).get(k) != v}
+            raise ValueError(f"checkpoint {ckpt} was trained with another model config: {diff}")
+        start = load_checkpoint(ckpt, model, optimizer, scheduler)
+    ddp = DistributedDataParallel(model) if world > 1 else model
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = _Metrics(out_dir, rank == 0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+
+    bar = None
+    if cfg.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
+    result: Dict[str, float] = {}
+    last_good = latest_checkpoint(out_dir) if rank == 0 else None
+    t0, tokens_seen, pairs_seen, loss_sum, n_sum = time.perf_counter(), 0, 0, torch.zeros((), device=device), 0
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    for step in range(start, end):
+        # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
+        torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
+        tokens, lengths = task.batch(step, cfg.batch_size)  # the global batch, (B, L)
+        start_pos = torch.full_like(lengths, task.prefix_start)
+        pair_total = pair_counts(lengths, start_pos, 2, tokens.shape[1], tokens.shape[1]).sum().item() / world
+        token_total = ((lengths - 1 - task.prefix_start).clamp(min=0)).sum().item() / world
+        tokens, lengths = tokens[rank::world].to(device), lengths[rank::world].to(device)
+        with autocast:
+            out = ddp(tokens, lengths, prefix_start=task.prefix_start, pairs=cfg.pairs,
+                      next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
+                      generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank),
+                      pair_total=pair_total, token_total=token_total)
+        loss = out["total"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        loss_sum += loss.detach().float()
+        n_sum += 1
+        tokens_seen += int(tokens.numel())
+        pairs_seen += pair_total * (cfg.pairs or 1.0) if cfg.method == "bst" else 0
+        done = step + 1
+        boundary = done % cfg.log_every == 0 or done == end
+        eval_now = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+        ckpt_now = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
+        if boundary or eval_now or ckpt_now:
+            mean_loss = float(loss_sum) / n_sum  # the one host sync of a logging interval
+            if world > 1:
+                t = torch.tensor([mean_loss], device=device)
+                dist.all_reduce(t)
+                mean_loss = float(t) / world
+            if not math.isfinite(mean_loss):
+                if bar is not None:
+                    bar.close()
+                raise RuntimeError(f"training stopped: the loss became non-finite ({mean_loss}) by step {done}; "
+                                   f"the last good checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
+            dt = time.perf_counter() - t0
+            row = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen * world / dt,
+                   "pairs_per_s": pairs_seen * world / dt, "steps_per_s": n_sum / dt}
+            result.update(row)
+            if eval_now and rank == 0:
+                row.update(task.evaluate(model, device))
+                result.update(row)
+            metrics.log(done, row)
+            if bar is not None:
+                bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k != "lr"}, refresh=False)
+                bar.update(n_sum)
+            t0, tokens_seen, pairs_seen, n_sum = time.perf_counter(), 0, 0, 0
+            loss_sum.zero_()
+        if ckpt_now and rank == 0:
+            last_good = save_checkpoint(out_dir, done, model, optimizer, scheduler, cfg, cfg.keep_checkpoints)
+    if bar is not None:
+        bar.close()
+    if world > 1:
+        dist.barrier()
+    return result

@@ -1,0 +1,280 @@
+"""Tests of bst_fast.data: star-graph format, generator, splits, path accuracy, BPE text batches."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from bst_fast.data import (StarGraphData, StarGraphStream, StarGraphTokenizer, TextData,
+                           generate_star_graphs, graph_keys, load_tokenizer, path_accuracy,
+                           save_tokenizer, train_bpe)
+from bst_fast.data.text import read_documents
+
+
+# ---------------------------------------------------------------------------- star graph format
+
+def test_format_round_trip():
+    tok = StarGraphTokenizer(10)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.edge_sep_id, tok.query_id, tok.answer_id,
+            tok.vocab_size) == (10, 11, 12, 13, 14, 15, 16)
+    edges, s, g, path = [(3, 7), (0, 3), (0, 5), (5, 9)], 0, 9, [0, 5, 9]
+    ids = tok.encode_row(edges, s, g, path)
+    assert tok.decode(ids) == "<bos> 3 7 | 0 3 | 0 5 | 5 9 / 0 9 = 0 5 9 <eos>"
+    assert tok.decode(ids, skip_special=True) == "3 7 | 0 3 | 0 5 | 5 9 / 0 9 = 0 5 9"
+    assert tok.decode(ids + [tok.pad_id, 4]) == tok.decode(ids)  # stops at PAD
+    parsed = tok.parse(torch.tensor(ids + [tok.pad_id] * 3))
+    assert (parsed.edges, parsed.start, parsed.goal, parsed.path) == (edges, s, g, path)
+    # a partial row (prefix up to "=" plus some generated nodes) parses too
+    assert tok.parse(ids[:-2]).path == [0, 5]
+    with pytest.raises(ValueError, match="outside"):
+        tok.encode_row([(3, 10)], 3, 10, [3, 10])
+
+
+@pytest.mark.parametrize("d,l,n", [(2, 5, 50), (5, 5, 50), (2, 20, 50), (3, 2, 6)])
+def test_layout_matches_rows(d, l, n):
+    data = StarGraphData(d, l, n, n_train=64, n_test=16, seed=0)
+    e = d * (l - 1)
+    assert data.row_length == 1 + (3 * e - 1) + 4 + l + 1
+    tok = data.tokenizer
+    for rows in (data.train_tokens, data.test_tokens):
+        assert rows.dtype == torch.int64 and rows.shape[1] == data.row_length
+        assert (rows[:, data.prefix_start] == tok.answer_id).all()
+        assert (rows[:, data.prefix_start - 3] == tok.query_id).all()
+        assert (rows[:, -1] == tok.eos_id).all()
+        assert data.answer_slice.stop == data.row_length - 1 and data.path_len == l
+        # vectorised encoding agrees with encode_row
+        for r in rows[:5]:
+            assert tok.encode_row(*tok.parse(r)) == r.tolist()
+
+
+@pytest.mark.parametrize("d,l,n", [(2, 5, 50), (5, 5, 21), (2, 20, 50), (1, 3, 3)])
+def test_generator_validity(d, l, n):
+    tok = StarGraphTokenizer(n)
+    rows = generate_star_graphs(300, d, l, n, seed=1)
+    for r in rows:
+        gph = tok.parse(r)
+        assert len(gph.edges) == d * (l - 1)
+        children = {}
+        for u, v in gph.edges:
+            children.setdefault(u, []).append(v)
+        nodes = {u for e in gph.edges for u in e}
+        assert len(nodes) == 1 + d * (l - 1)                # distinct labels
+        assert len(children[gph.start]) == d                # d arms leave s
+        assert all(len(c) == 1 for u, c in children.items() if u != gph.start)
+        for first in children[gph.start]:                   # every arm has l nodes, s included
+            arm = [gph.start, first]
+            while arm[-1] in children:
+                arm.append(children[arm[-1]][0])
+            assert len(arm) == l
+        assert gph.goal not in children                     # the goal is a leaf
+        assert len(gph.path) == l and gph.path[0] == gph.start and gph.path[-1] == gph.goal
+        assert all((a, b) in set(gph.edges) for a, b in zip(gph.path, gph.path[1:]))
+
+
+def test_generator_is_random_enough():
+    d, l, n = 2, 5, 50
+    rows = generate_star_graphs(4000, d, l, n, seed=2)
+    assert set(np.unique(rows[:, 1:3 * d * (l - 1):3])) == set(range(n))  # all labels used
+    e3 = 3 * d * (l - 1)
+    # edges are shuffled: the first edge leaves s in about d / E of the rows
+    frac = (rows[:, 1] == rows[:, e3 + 1]).mean()
+    assert abs(frac - d / (d * (l - 1))) < 0.04
+
+
+def test_too_few_nodes():
+    with pytest.raises(ValueError, match="n_nodes must be >= 1 \\+ d\\*\\(l-1\\) = 9"):
+        generate_star_graphs(1, 2, 5, 8, seed=0)
+    with pytest.raises(ValueError, match="n_nodes"):
+        StarGraphData(5, 5, 20, 10, 10)
+
+
+def test_determinism():
+    a, b = generate_star_graphs(50, 2, 5, 50, 7), generate_star_graphs(50, 2, 5, 50, 7)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, generate_star_graphs(50, 2, 5, 50, 8))
+    d1, d2 = StarGraphData(2, 5, 50, 100, 20, seed=3), StarGraphData(2, 5, 50, 100, 20, seed=3)
+    assert torch.equal(d1.train_tokens, d2.train_tokens) and torch.equal(d1.test_tokens, d2.test_tokens)
+    # batch(step) is pure: same rows out of order and from a fresh object; an epoch covers all rows
+    b5 = d1.batch(5, 16, seed=1)
+    d1.batch(0, 16, seed=1)
+    assert torch.equal(b5, d2.batch(5, 16, seed=1))
+    assert not torch.equal(b5, d1.batch(5, 16, seed=2))
+    per_epoch = 100 // 16
+    epoch = torch.cat([d1.batch(k, 16, seed=1) for k in range(per_epoch)])
+    assert len({tuple(r) for r in epoch.tolist()}) == len(epoch)
+    assert not torch.equal(d1.batch(0, 16, 1), d1.batch(per_epoch, 16, 1))  # a new permutation
+    s1, s2 = StarGraphStream(2, 5, 50, seed=4), StarGraphStream(2, 5, 50, seed=4)
+    assert torch.equal(s1.batch(9, 32), s2.batch(9, 32))
+    assert not torch.equal(s1.batch(9, 32), s1.batch(10, 32))
+    assert torch.equal(next(s1.batches(32, start_step=9)), s1.batch(9, 32))
+    it = d1.batches(16, seed=1, start_step=4)
+    assert torch.equal(next(it), d1.batch(4, 16, 1)) and torch.equal(next(it), b5)
+
+
+def _canon(tok, row):
+    g = tok.parse(row)
+    return frozenset(g.edges), g.start, g.goal
+
+
+def test_no_train_test_overlap():
+    # G(2, 3) over 5 nodes has only 5 * 4!/2 * 2 = 120 graph+query rows: collisions are certain
+    data = StarGraphData(2, 3, 5, n_train=600, n_test=40, seed=0)
+    tok = data.tokenizer
+    test = {_canon(tok, r) for r in data.test_tokens}
+    assert len(test) == 40                                   # test rows are distinct
+    assert not test & {_canon(tok, r) for r in data.train_tokens}
+    assert len(data.train_tokens) == 600
+    stream = StarGraphStream(2, 3, 5, seed=0, exclude=data)
+    assert not test & {_canon(tok, r) for r in stream.batch(0, 500)}
+    keyed = StarGraphStream(2, 3, 5, seed=0, exclude=data.test_tokens)
+    assert torch.equal(keyed.batch(3, 64), stream.batch(3, 64))
+    # the same graph with its edges listed in another order has the same key
+    r = data.test_tokens[:1].numpy().copy()
+    r[0, [1, 2, 4, 5]] = r[0, [4, 5, 1, 2]]
+    assert graph_keys(r, 2, 3)[0] == graph_keys(data.test_tokens[:1], 2, 3)[0]
+    with pytest.raises(ValueError, match="n_test=200"):
+        StarGraphData(2, 3, 5, n_train=1, n_test=200)
+
+
+# ---------------------------------------------------------------------------- path accuracy
+
+def _oracle(data):
+    table = {tuple(r[:data.prefix_start + 1].tolist()): r[data.answer_slice]
+             for r in data.test_tokens}
+
+    def generate(prefix, n_new):
+        assert prefix.shape[1] == data.prefix_start + 1 and n_new == data.path_len
+        return torch.stack([table[tuple(p.tolist())] for p in prefix])
+    return generate
+
+
+def _flawed_cheat(data, seed=0):
+    """Picks a random child of s, then follows the only child: right about 1/d of the time."""
+    rng = np.random.default_rng(seed)
+
+    def generate(prefix, n_new):
+        out = []
+        for p in prefix:
+            g = data.tokenizer.parse(p)
+            children = {}
+            for u, v in g.edges:
+                children.setdefault(u, []).append(v)
+            path = [g.start, children[g.start][rng.integers(len(children[g.start]))]]
+            while len(path) < n_new:
+                path.append(children[path[-1]][0])
+            out.append(path)
+        return torch.tensor(out)
+    return generate
+
+
+def test_path_accuracy_oracle():
+    data = StarGraphData(2, 5, 50, n_train=10, n_test=101, seed=0)
+    assert path_accuracy(_oracle(data), data.test_tokens, data.prefix_start, data.path_len,
+                         batch_size=7) == 1.0
+    oracle = _oracle(data)
+    bad_row = 50
+
+    def one_wrong(prefix, n_new):  # wrong in one node (the 3rd) of one row
+        out = oracle(prefix, n_new).clone()
+        for b, p in enumerate(prefix):
+            if torch.equal(p, data.test_tokens[bad_row, :data.prefix_start + 1]):
+                out[b, 2] = (out[b, 2] + 1) % data.n_nodes
+        return out
+    acc, per_pos = path_accuracy(one_wrong, data.test_tokens, data.prefix_start, data.path_len,
+                                 batch_size=16, per_position=True)
+    assert acc == pytest.approx(100 / 101)
+    assert per_pos.shape == (5,) and per_pos[2] == pytest.approx(100 / 101)
+    assert per_pos[[0, 1, 3, 4]].eq(1).all()
+
+
+@pytest.mark.parametrize("d", [2, 5])
+def test_path_accuracy_flawed_cheat(d):
+    data = StarGraphData(d, 5, 50, n_train=10, n_test=2000, seed=1)
+    acc = path_accuracy(_flawed_cheat(data), data.test_tokens, data.prefix_start, data.path_len)
+    assert abs(acc - 1 / d) < 0.04
+
+
+# ---------------------------------------------------------------------------- text
+
+_WORDS = "the cat sat on a mat and then ran to see big red dog who was very happy today".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+
+    def doc(n):
+        return " ".join(rng.choice(_WORDS, size=n)) + "."
+    (root / "sub").mkdir()
+    # a.txt: three documents separated by blank lines (one with whitespace on the blank line)
+    (root / "a.txt").write_text(doc(5) + "\n" + doc(4) + "\n\n" + doc(30) + "\n  \n" + doc(3) + "\n")
+    (root / "sub" / "b.txt").write_text("\n".join(doc(8) + "\n" for _ in range(40)))
+    (root / "ignored.md").write_text("not a txt file " * 50)
+    return root
+
+
+def test_train_bpe_and_save_load(corpus, tmp_path):
+    tok = train_bpe(corpus, vocab_size=300)
+    assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [0, 1, 2]
+    assert 259 < tok.get_vocab_size() <= 300
+    text = "the big dog sat on the mat."
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text and len(ids) < len(text)   # merges were learnt
+    save_tokenizer(tok, tmp_path / "tok.json")
+    assert load_tokenizer(tmp_path / "tok.json").encode(text).ids == ids
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_bpe(corpus, vocab_size=100)
+    with pytest.raises(FileNotFoundError):
+        train_bpe(tmp_path / "missing")
+
+
+def test_text_data_batches(corpus):
+    tok = train_bpe(corpus, vocab_size=300)
+    data = TextData(corpus, tok, max_len=12, held_out=0.1, seed=0)
+    assert (data.pad_id, data.bos_id, data.eos_id) == (0, 1, 2)
+    assert data.n_held_out > 0 and data.n_train > 43          # 43 documents, some chunked
+    seen = []
+    for step in range(data.n_train // 8):
+        tokens, lengths = data.batch(step, 8, seed=0)
+        assert tokens.dtype == lengths.dtype == torch.int64
+        assert tokens.shape == (8, int(lengths.max())) and int(lengths.max()) <= 12
+        for row, n in zip(tokens, lengths):
+            assert row[0] == data.bos_id and row[n - 1] == data.eos_id
+            assert (row[n:] == data.pad_id).all() and (row[1:n - 1] > 2).all()
+            seen.append(tuple(row[:n].tolist()))
+    # one epoch draws without replacement (rows may repeat in content, so compare multisets)
+    everything = Counter(tuple(r[:n].tolist()) for r, n in zip(*data.batch(0, data.n_train, 0)))
+    assert not Counter(seen) - everything
+    t1, l1 = data.batch(3, 8, seed=5)
+    t2, l2 = TextData(corpus, tok, max_len=12, held_out=0.1, seed=0).batch(3, 8, seed=5)
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    held = [t for t, _ in data.held_out_batches(4)]
+    assert sum(len(t) for t in held) == data.n_held_out
+    # the long document (30 words) is cut into consecutive chunks that rejoin to the original
+    whole = TextData(corpus, tok, max_len=12, held_out=0.0)
+    tokens, lengths = whole.batch(0, whole.n_train, 0)
+    rows = {tuple(r[1:n - 1].tolist()) for r, n in zip(tokens, lengths)}
+    docs = read_documents(corpus)
+    assert len(docs) == 43 and "\n" in docs[0]                # a single newline does not split
+    long_doc = tok.encode(docs[1]).ids
+    assert len(long_doc) > 20
+    chunks = [tuple(long_doc[i:i + 10]) for i in range(0, len(long_doc), 10)]
+    assert all(c in rows for c in chunks)
+
+
+def test_out_of_vocabulary_ids(tmp_path):
+    rows = [[3, 4, 5], [6, 7], [8, 9, 10, 99, 11]]
+    with pytest.raises(ValueError, match=r"my_ids: token id 99 at row 2, index 3 .*0\.\.49"):
+        TextData.from_ids(rows, vocab_size=50, source_name="my_ids")
+    path = tmp_path / "ids.npy"
+    np.save(path, np.array([[3, 4, 5, 6], [7, 8, -1, 9]]))
+    with pytest.raises(ValueError, match=r"ids\.npy: token id -1 at row 1, index 2"):
+        TextData.from_ids(path, vocab_size=50)
+    pt = tmp_path / "ids.pt"
+    torch.save([torch.tensor([3, 4]), torch.tensor([5, 60])], pt)
+    with pytest.raises(ValueError, match=r"ids\.pt: token id 60 at row 1, index 1"):
+        TextData.from_ids(pt, vocab_size=50)
+    ok = TextData.from_ids(rows[:2], vocab_size=50, max_len=4, held_out=0.0)
+    tokens, lengths = ok.batch(0, ok.n_train, seed=0)
+    assert sorted(lengths.tolist()) == [3, 4, 4]               # [3,4,5] -> two chunks, [6,7] one
