@@ -1,0 +1,152 @@
+"""Training engine: exact resume, DDP equals one process, checkpoints, config and fault handling."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bst_fast.train import TrainConfig, load_model, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+
+
+def tiny(tmp_path, **changes):
+    d = TrainConfig.load(TINY).to_dict()
+    d.update(out_dir=str(tmp_path), **changes)
+    return TrainConfig.from_dict(d)
+
+
+def same_params(a, b):
+    ma, _ = load_model(a)
+    mb, _ = load_model(b)
+    return {k: (v, mb.state_dict()[k]) for k, v in ma.state_dict().items()}
+
+
+@pytest.mark.parametrize("method", ["bst", "forward"])
+def test_resume_is_bitwise_exact(tmp_path, method):
+    # Dropout and subsampled pairs make every step random: resume must replay the same draws.
+    model = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16, "dropout": 0.1}
+    full = tiny(tmp_path / "full", method=method, ckpt_every=0, pairs=0.5, model=model)
+    train(full)
+    cut = tiny(tmp_path / "cut", method=method, ckpt_every=0, pairs=0.5, model=model)
+    train(cut, stop_at=4)
+    train(cut, resume=True)
+    params = same_params(tmp_path / "full", tmp_path / "cut")
+    assert all(torch.equal(x, y) for x, y in params.values())
+    # And the run really changed the parameters: resume is not trivially exact.
+    fresh = tiny(tmp_path / "fresh", method=method, ckpt_every=0, steps=1, model=model)
+    train(fresh)
+    moved = same_params(tmp_path / "full", tmp_path / "fresh")
+    assert any(not torch.equal(x, y) for x, y in moved.values())
+
+
+def test_ddp_two_processes_equal_one(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", "ckpt_every=0"]
+    subprocess.run(base + ["--set", f"out_dir={tmp_path / 'one'}"], check=True, env=env, capture_output=True)
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "bst_fast", "train", "--config", str(TINY), "--set", "ckpt_every=0", "--set", f"out_dir={tmp_path / 'two'}"]
+    run = subprocess.run(ddp, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    params = same_params(tmp_path / "one", tmp_path / "two")
+    worst = max(float((x - y).abs().max() / (y.abs().max() + 1e-12)) for x, y in params.values())
+    assert worst < 1e-5
+
+
+def test_checkpoints_are_kept_and_named(tmp_path):
+    train(tiny(tmp_path, steps=6, ckpt_every=2, keep_checkpoints=2))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000006"]
+    assert (root / "latest").read_text() == "step-00000006"
+    assert not list(root.glob("*.tmp"))
+    cfg = json.loads((root / "step-00000006" / "config.json").read_text())
+    assert cfg["steps"] == 6
+
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path):
+    train(tiny(tmp_path / "a"))
+    ckpt = tmp_path / "a" / "checkpoints" / "step-00000006"
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_model(ckpt)
+    train(tiny(tmp_path / "b"))
+    bigger = tiny(tmp_path / "b", steps=8, model={"n_layer": 1, "d_model": 32, "n_head": 2, "head_hidden": 16})
+    with pytest.raises(ValueError, match="another model config"):
+        train(bigger, resume=True)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(tiny(tmp_path / "empty"), resume=True)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    from bst_fast import model as model_mod
+
+    real = model_mod.BeliefStateTransformer.forward
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **k):
+        out = real(self, *a, **k)
+        calls["n"] += 1
+        if calls["n"] > 4:  # steps 5 and on
+            out["total"] = out["total"] * float("nan")
+        return out
+
+    monkeypatch.setattr(model_mod.BeliefStateTransformer, "forward", poisoned)
+    cfg = tiny(tmp_path, steps=8, ckpt_every=4, log_every=2, eval_every=0)
+    with pytest.raises(RuntimeError, match="non-finite.*step-00000004"):
+        train(cfg)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004"
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"stepz": 3}, "stepz"),
+    ({"steps": "many"}, "steps"),
+    ({"lr": True}, "lr"),
+    ({"model": {"n_layr": 2}}, "model.n_layr"),
+    ({"model": 3}, "model"),
+    ({"pairs": "half"}, "pairs"),
+])
+def test_malformed_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        TrainConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "fim"}, "method"), ({"pairs": 1.5}, "pairs"), ({"steps": 0}, "steps"), ({"min_lr": 1.0}, "min_lr"),
+])
+def test_invalid_config_values_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        TrainConfig.from_dict(bad).check()
+
+
+def test_yaml_and_json_configs_load_the_same(tmp_path):
+    cfg = TrainConfig.load(TINY)
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
+    assert TrainConfig.load(tmp_path / "c.json") == cfg
+
+
+def test_star_command_prints_both_accuracies(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "bst_fast", "star", "--config", str(TINY),
+                          "--set", f"out_dir={tmp_path}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| bst |" in run.stdout and "| forward |" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", "modle.x=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "modle.x" in bad.stderr
+
+
+def test_text_training_end_to_end(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the cat sat on a mat and the dog ran to the park while it rained".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[int(k)] for k in torch.randint(0, len(words), (int(n),), generator=g))
+            for n in torch.randint(5, 40, (60,), generator=g)]
+    (corpus / "a.txt").write_text("\n\n".join(docs))
+    cfg = tiny(tmp_path / "run", data=str(corpus), text_vocab=300, max_len=24, steps=4, eval_every=4)
+    result = train(cfg)
+    assert result["held_out_loss"] > 0 and result["loss"] > 0
+    assert (tmp_path / "run" / "tokenizer.json").exists()
