@@ -37,7 +37,9 @@ _ACT = {"relu": 0, "leaky_relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 # vocabulary. CUDA values are a first guess, not tuned (no GPU was available when written); the
 # interpreter values keep tl.dot at its 16-wide minimum and still exercise every block loop.
 CONFIG = {
-    "cuda": dict(BI=8, BJ=16, BK=32, BV=64, num_warps=8, programs_per_sm=2),
+    # for h=512 in bf16 on sm_90, ptxas gives 254 registers and no spills with these (BK=32
+    # spills): one program per SM. To be tuned (autotune keyed on h, V, dtype) on a GPU.
+    "cuda": dict(BI=8, BJ=16, BK=16, BV=64, num_warps=8, programs_per_sm=1),
     "cpu": dict(BI=4, BJ=4, BK=16, BV=16, num_warps=4, programs=2),
 }
 
@@ -120,12 +122,12 @@ def _pair_kernel(
     A, Bm, tok, lengths, pstart, tiles, n_tiles,   # (B, L, H1) f32 x2, (B, L) i64, (B,) i64 x2, (n_tiles, 3) i32
     prow, pi, pj, pw, n_pairs, scale,              # pair list (n,) i64 x3 + (n,) f32; scale (1,) f32
     Wh, ch, WL, cL,                                # hidden layers packed (NH-1, HP, HP), (NH-1, HP); last (2V, HL), (2V,)
-    Z, Hs, dH,                                     # scratch: (G, NH, BP, HP) f32, (G, NH, BP, HP) dtype, (G, 2, BP, HP) f32
+    Z, Hs, dH,                                     # scratch: (G, max(NH-1, 1) | NH | min(NH, 2), BP, HP): f32, dtype, f32
     loss_part, dA, dB, dWh, dch, dWL, dcL,         # (G,) f32; gradients, f32, shaped as their inputs
     L, H1, HL, V, min_gap, max_gap, lam,
     NH: tl.constexpr, HP: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, ACT: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr, PREC: tl.constexpr,
-    UP: tl.constexpr,
+    UP: tl.constexpr, DET: tl.constexpr,
 ):
     # Forward, per pair (i, j) of the tile (h_0 is not formed: the first layer is split):
     #   z_1 = A_i + B_j,  h_k = act(z_k),  z_{k+1} = W_k h_k + c_k  (k < NH),  z = W_L h_NH + c_L (2V)
@@ -135,17 +137,23 @@ def _pair_kernel(
     #   dW_L += dz^T h_NH, dc_L += sum dz, dh_NH = dz W_L
     #   dz_k = dh_k * act'(z_k), dW_{k-1} += dz_k^T h_{k-1}, dc_{k-1} += sum dz_k, dh_{k-1} = dz_k W_{k-1}
     #   dA_i += sum_j dz_1,  dB_j += sum_i dz_1
-    # Sums over pairs land in global float32 buffers through atomics (addition order may vary
-    # between runs on a GPU; the loss itself is reduced per program, then in a fixed order).
+    # Sums over pairs land in global float32 buffers through atomics, whose order may vary between
+    # runs on a GPU. DET (deterministic) runs one program (so tiles are summed in order; the
+    # barrier at each tile start orders them across threads) and adds dA, dB one pair at a time:
+    # bitwise reproducible, and slow. The loss is reduced per program, then in a fixed order.
     BP: tl.constexpr = BI * BJ
     g = tl.program_id(0)
     G = tl.num_programs(0)
     P = tl.arange(0, BP)
     K = tl.arange(0, BK)
     Vv = tl.arange(0, BV)
-    zs = Z + g.to(tl.int64) * (NH * BP * HP)    # this program's scratch
+    # this program's scratch: z of hidden layers 2..NH (z_1 = A_i + B_j is cheaper to gather again),
+    # h of layers 1..NH, and dh in min(NH, 2) ping-pong slots
+    ZS: tl.constexpr = NH - 1 if NH > 1 else 1
+    DS: tl.constexpr = 2 if NH > 1 else 1
+    zs = Z + g.to(tl.int64) * (ZS * BP * HP) - BP * HP   # so that zs + l * BP * HP is layer l + 1's z
     hs = Hs + g.to(tl.int64) * (NH * BP * HP)
-    ds = dH + g.to(tl.int64) * (2 * BP * HP)
+    ds = dH + g.to(tl.int64) * (DS * BP * HP)
     loss_acc = tl.zeros((BP,), dtype=tl.float32)
     for t in range(g, n_tiles, G):
         # ---- the tile's pairs: row, i, j, weight (0 for a padding slot)
@@ -179,7 +187,6 @@ def _pair_kernel(
             m2 = valid[:, None] & (k[None, :] < H1)
             z = tl.load(A + ai[:, None] + k[None, :], mask=m2, other=0.0) + \
                 tl.load(Bm + bj[:, None] + k[None, :], mask=m2, other=0.0)
-            tl.store(zs + P[:, None] * HP + k[None, :], z)
             tl.store(hs + P[:, None] * HP + k[None, :], _cast(_act(z, ACT), Hs.dtype.element_ty, UP))
         tl.debug_barrier()
 
@@ -227,6 +234,12 @@ def _pair_kernel(
                 loss_acc += w * (1.0 - lam) * (lse - zy)
 
         if NEED_GRAD:
+            # The backward runs in units of wmax, the tile's largest pair weight: with
+            # reduction="mean" a weight is 1/|P|, and w * (softmax - onehot) would underflow as a
+            # float16 dot operand. dz, dh and the dH scratch hold values / wmax; every atomic_add
+            # multiplies wmax back in.
+            wmax = tl.maximum(tl.max(w, axis=0), 1e-30)
+            wn = w / wmax
             # ---- dh_NH = sum over V blocks of dz W_L, accumulated in scratch slot 0
             for kb in range(0, HP, BK):
                 tl.store(ds + P[:, None] * HP + (kb + K)[None, :], tl.zeros((BP, BK), dtype=tl.float32))
@@ -234,7 +247,7 @@ def _pair_kernel(
             for half in tl.static_range(2):
                 y = y_next if half == 0 else y_prev
                 lse = lse_n if half == 0 else lse_p
-                cw = w * lam if half == 0 else w * (1.0 - lam)
+                cw = wn * lam if half == 0 else wn * (1.0 - lam)
                 for vb in range(0, V, BV):
                     col = vb + Vv
                     cm = col < V
@@ -242,19 +255,19 @@ def _pair_kernel(
                     zt = _logits(h_last, WL, cL, rows, cm, P, K, HP, HL, BP, BK, BV, PREC, UP)
                     pr = tl.exp(zt - lse[:, None]) - tl.where(col[None, :] == y[:, None], 1.0, 0.0)
                     dz = tl.where(cm[None, :], pr * cw[:, None], 0.0)  # (BP, BV)
-                    tl.atomic_add(dcL + rows, tl.sum(dz, axis=0), mask=cm)
+                    tl.atomic_add(dcL + rows, tl.sum(dz, axis=0) * wmax, mask=cm)
                     dzc = _cast(dz, Hs.dtype.element_ty, UP)
                     for kb in range(0, HP, BK):
                         k = kb + K
                         km = cm[:, None] & (k[None, :] < HL)
                         h = tl.load(h_last + P[:, None] * HP + k[None, :])
                         tl.atomic_add(dWL + rows[:, None] * HL + k[None, :],
-                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP), mask=km)
+                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP) * wmax, mask=km)
                         wt = tl.load(WL + rows[:, None] * HL + k[None, :], mask=km, other=0.0)
                         dptr = ds + P[:, None] * HP + k[None, :]
-                        # same pointers for load and store: each thread updates its own elements
                         tl.store(dptr, tl.load(dptr) + _dot(dzc, wt, PREC=PREC, UP=UP))
-            tl.debug_barrier()
+                    # the next V block reads dH back, possibly in another thread layout
+                    tl.debug_barrier()
 
             # ---- back through the hidden layers; dh ping-pongs between scratch slots 0 and 1
             for ll in range(0, NH - 1):
@@ -266,7 +279,7 @@ def _pair_kernel(
                     off = P[:, None] * HP + n[None, :]
                     dz = tl.load(cur + off) * _act_grad(tl.load(zs + l * BP * HP + off), ACT)
                     tl.store(cur + off, dz)
-                    tl.atomic_add(dch + (l - 1) * HP + n, tl.sum(dz, axis=0))
+                    tl.atomic_add(dch + (l - 1) * HP + n, tl.sum(dz, axis=0) * wmax)
                 tl.debug_barrier()
                 w_l = Wh + (l - 1) * HP * HP
                 for kb in range(0, HP, BK):
@@ -277,7 +290,7 @@ def _pair_kernel(
                         n = nb + K
                         dzc = _cast(tl.load(cur + P[:, None] * HP + n[None, :]), Hs.dtype.element_ty, UP)
                         tl.atomic_add(dWh + (l - 1) * HP * HP + n[:, None] * HP + k[None, :],
-                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP))
+                                      _dot(tl.trans(dzc), h, PREC=PREC, UP=UP) * wmax)
                         acc += _dot(dzc, tl.load(w_l + n[:, None] * HP + k[None, :]), PREC=PREC, UP=UP)
                     tl.store(nxt + P[:, None] * HP + k[None, :], acc)
                 tl.debug_barrier()
@@ -287,10 +300,22 @@ def _pair_kernel(
             for kb in range(0, HP, BK):
                 k = kb + K
                 off = P[:, None] * HP + k[None, :]
-                dz = tl.load(cur + off) * _act_grad(tl.load(zs + off), ACT)
                 m2 = valid[:, None] & (k[None, :] < H1)
-                tl.atomic_add(dA + ai[:, None] + k[None, :], dz, mask=m2)
-                tl.atomic_add(dB + bj[:, None] + k[None, :], dz, mask=m2)
+                z = tl.load(A + ai[:, None] + k[None, :], mask=m2, other=0.0) + \
+                    tl.load(Bm + bj[:, None] + k[None, :], mask=m2, other=0.0)
+                dz = tl.load(cur + off) * _act_grad(z, ACT) * wmax
+                if DET:
+                    # one pair at a time, so that no atomic_add holds an address twice (pairs of
+                    # a tile share i's and j's) and every sum runs in pair order
+                    for pq in range(0, BP):
+                        sel = P == pq
+                        dzq = tl.sum(tl.where(sel[:, None], dz, 0.0), axis=0)  # (BK,)
+                        kq = k < H1 * tl.sum(tl.where(sel & valid, 1, 0), axis=0)  # none for padding
+                        tl.atomic_add(dA + tl.sum(tl.where(sel, ai, 0), axis=0) + k, dzq, mask=kq)
+                        tl.atomic_add(dB + tl.sum(tl.where(sel, bj, 0), axis=0) + k, dzq, mask=kq)
+                else:
+                    tl.atomic_add(dA + ai[:, None] + k[None, :], dz, mask=m2)
+                    tl.atomic_add(dB + bj[:, None] + k[None, :], dz, mask=m2)
     tl.store(loss_part + g, tl.sum(loss_acc, axis=0))
 
 
@@ -321,7 +346,7 @@ class _PairLoss(torch.autograd.Function):
     """loss(A, B, later layers); the forward also computes every gradient, the backward scales them."""
 
     @staticmethod
-    def forward(ctx, A, Bm, tokens, p, lam, activation, dtype, *params):
+    def forward(ctx, A, Bm, tokens, p, lam, activation, dtype, deterministic, *params):
         dev = A.device
         Bn, L, H1 = A.shape
         weights, biases = params[0::2], params[1::2]
@@ -333,7 +358,7 @@ class _PairLoss(torch.autograd.Function):
         HP = max(16, _next_pow2(max(widths)))
         BK, BV = min(BK, HP), min(BV, max(16, _next_pow2(V)))
         BP = BI * BJ
-        need = any(ctx.needs_input_grad[:2]) or any(ctx.needs_input_grad[7:])
+        need = any(ctx.needs_input_grad[:2]) or any(ctx.needs_input_grad[8:])
 
         # hidden-to-hidden layers zero-padded to (HP, HP) so one loop serves every width
         Wh = torch.zeros(max(NH - 1, 1), HP, HP, dtype=dtype, device=dev)
@@ -356,17 +381,19 @@ class _PairLoss(torch.autograd.Function):
             n_pairs, mode = prow.numel(), 1
             n_tiles = triton.cdiv(n_pairs, BP)
         scale = p.scale.float().reshape(1)
-        if dev.type == "cuda":
+        if deterministic:
+            G = 1
+        elif dev.type == "cuda":
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             G = max(1, min(n_tiles, sms * cfg["programs_per_sm"]))
         else:
             G = max(1, min(n_tiles, cfg["programs"]))
 
         f32 = dict(dtype=torch.float32, device=dev)
-        Z = torch.empty(G, NH, BP, HP, **f32)
+        Z = torch.empty(G, NH - 1, BP, HP, **f32) if NH > 1 else torch.empty(1, **f32)  # unread if NH = 1
         up = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
         Hs = torch.empty(G, NH, BP, HP, dtype=torch.float32 if up else dtype, device=dev)
-        dH = torch.empty(G, 2, BP, HP, **f32) if need else Z[:1]
+        dH = torch.empty(G, min(NH, 2), BP, HP, **f32) if need else Z[:1]
         loss_part = torch.empty(G, **f32)
         g_shape = lambda *s: torch.zeros(*s, **f32) if need else torch.zeros(1, **f32)
         dA, dB = g_shape(Bn, L, H1), g_shape(Bn, L, H1)
@@ -381,7 +408,7 @@ class _PairLoss(torch.autograd.Function):
                 loss_part, dA, dB, dWh, dch, dWL, dcL,
                 L, H1, HL, V, p.min_gap, p.max_gap, float(lam),
                 NH=NH, HP=HP, BI=BI, BJ=BJ, BK=BK, BV=BV, ACT=_ACT[activation], MODE=mode,
-                NEED_GRAD=need, PREC=prec, UP=up, num_warps=cfg["num_warps"],
+                NEED_GRAD=need, PREC=prec, UP=up, DET=deterministic, num_warps=cfg["num_warps"],
             )
         else:
             loss_part.zero_()
@@ -398,22 +425,23 @@ class _PairLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if not ctx.need:
-            return (None,) * (7 + len(ctx.dtypes))
+            return (None,) * (8 + len(ctx.dtypes))
         dA, dB, *gp = ctx.saved_tensors
         gA = grad_loss * dA if ctx.needs_input_grad[0] else None
         gB = grad_loss * dB if ctx.needs_input_grad[1] else None
-        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[7:])]
-        return (gA, gB, None, None, None, None, None, *out)
+        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[8:])]
+        return (gA, gB, None, None, None, None, None, None, *out)
 
 
-def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):
+def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, deterministic: bool = False):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), fused in Triton.
 
     f, b: (B, L, m) float32/float16/bfloat16; tokens: (B, L) int64; head: a TextHead in f's dtype;
-    p: the checked pair set. Returns a 0-dim float32 loss.
+    p: the checked pair set; deterministic: bitwise-reproducible gradients (one program: slow).
+    Returns a 0-dim float32 loss.
     """
     W1f, W1b, c1 = head.split_first_layer()
     A = F.linear(f.float(), W1f.float(), c1.float())  # (B, L, h1)
     Bm = F.linear(b.float(), W1b.float())  # (B, L, h1)
     params = [q for layer in head.layers[1:] for q in (layer.weight, layer.bias)]
-    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, f.dtype, *params)
+    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, f.dtype, bool(deterministic), *params)

@@ -49,7 +49,8 @@ def _check_head(head, f):
 def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, head: nn.Module, *,
                       lengths=None, prefix_start=0, min_gap: int = 2, max_gap: Optional[int] = None,
                       pairs=None, next_weight: float = 0.5, reduction: str = "mean",
-                      generator: Optional[torch.Generator] = None, backend: str = "auto") -> torch.Tensor:
+                      generator: Optional[torch.Generator] = None, backend: str = "auto",
+                      deterministic: bool = False) -> torch.Tensor:
     """The Belief State Transformer objective over prefix/suffix pairs (SPEC §2-§5).
 
     Args:
@@ -66,6 +67,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         reduction: "mean" (divide by |P|) or "sum".
         generator: the torch.Generator the subsample is drawn from.
         backend: "auto", "reference", "torch", "cpp" or "triton".
+        deterministic: bitwise-reproducible results from the triton backend (slower); the cpp
+            backend is always reproducible for a fixed thread count.
 
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
@@ -95,7 +98,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
             return _ops.pair_loss(f, b, tokens, head, p, next_weight)
         from . import _triton
 
-        return _triton.pair_loss(f, b, tokens, head, p, next_weight)
+        return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=deterministic)
 
 
 class BeliefStateLoss(nn.Module):
@@ -104,7 +107,7 @@ class BeliefStateLoss(nn.Module):
     def __init__(self, head: nn.Module, **options):
         super().__init__()
         bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "pairs", "next_weight",
-                              "reduction", "generator", "backend"}
+                              "reduction", "generator", "backend", "deterministic"}
         if bad:
             raise ValueError(f"BeliefStateLoss got unknown options {sorted(bad)}")
         self.head = head

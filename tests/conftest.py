@@ -6,7 +6,3 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before triton is first imported anywhere in the session.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (realistic sizes); skipped without one")

@@ -117,6 +117,26 @@ def test_weighted_pair_list_direct():
         assert _rel(x, y) < 1e-4
 
 
+def test_float16_tiny_weights():
+    # a mean over a million pairs weighs each by 1e-6: w * (softmax - onehot) must not underflow
+    # to zero as a float16 dot operand
+    f, b, tokens, head = _inputs(1, 9, 5, 13, torch.float32, CPU)
+    p = _pairs.prepare(f, b, tokens, 13, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
+                       pairs=None, next_weight=0.5, reduction="sum", generator=None)
+    p.scale = torch.tensor(2e-5, dtype=torch.float64)  # gradients stay normal float16 numbers
+    h64 = copy.deepcopy(head).double()
+    f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
+    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.5, 13)
+    ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
+    h16 = copy.deepcopy(head).half()
+    f16, b16 = f.half().requires_grad_(), b.half().requires_grad_()
+    out = _triton.pair_loss(f16, b16, tokens, h16, p, 0.5)
+    g = torch.autograd.grad(out, [f16, b16, *h16.parameters()])
+    assert _rel(out, ref) < 1e-2
+    for x, y in zip(g, ref_g):
+        assert _rel(x, y) < 2e-2
+
+
 def test_subsampled_pairs():
     pytest.importorskip("bst_fast._ops")  # the sampler is the C++ extension's
     f, b, tokens, head = _inputs(2, 12, 5, 11, torch.float32, CPU)
@@ -152,6 +172,31 @@ def test_no_grad_and_partial_grad():
     assert _rel(gf, gr) < 1e-4
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_deterministic(explicit):
+    f, b, tokens, head = _inputs(2, 9, 5, 13, torch.float32, CPU, n_layers=3)
+    dev = f.device
+    p = _pairs.prepare(f, b, tokens, 13, lengths=torch.tensor([9, 8]), prefix_start=1, min_gap=2, max_gap=None,
+                       pairs=None, next_weight=0.5, reduction="mean", generator=None)
+    if explicit:
+        row, i, j = _pairs.pair_mask(p.lengths, p.prefix_start, 2, 9, 9).nonzero(as_tuple=True)
+        p = _pairs.prepare(f, b, tokens, 13, lengths=p.lengths, prefix_start=1, min_gap=2, max_gap=None,
+                           pairs=(row, i, j), next_weight=0.5, reduction="mean", generator=None)
+    runs = []
+    for _ in range(2):
+        fr, br = f.clone().requires_grad_(), b.clone().requires_grad_()
+        out = _triton.pair_loss(fr, br, tokens, head, p, 0.4, deterministic=True)
+        runs.append([out.detach(), *torch.autograd.grad(out, [fr, br, *head.parameters()])])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    h64 = copy.deepcopy(head).double()
+    f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
+    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.4, 13)
+    ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
+    assert _rel(runs[0][0], ref) < 1e-5
+    for x, y in zip(runs[0][1:], ref_g):
+        assert _rel(x, y) < 1e-4
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -176,3 +221,54 @@ def test_cuda_explicit_pairs():
     row, i, j = mask.nonzero(as_tuple=True)
     keep = torch.randperm(row.numel(), device=dev)[:1000]
     _check(f, b, tokens, head, pairs=(row[keep], i[keep], j[keep]))
+
+
+_COMPILE = r'''
+import inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from bst_fast._triton import _pair_kernel, CONFIG
+
+const = ("NH", "HP", "BI", "BJ", "BK", "BV", "ACT", "MODE", "NEED_GRAD", "PREC", "UP", "DET")
+ptr = dict(tok="*i64", lengths="*i64", pstart="*i64", tiles="*i32", prow="*i64", pi="*i64", pj="*i64",
+           Wh="W", WL="W", cL="W", Hs="W")
+cfg = CONFIG["cuda"]
+for wdt, prec, NH, MODE, ACT, HP in (("*bf16", "tf32", 1, 0, 2, 512), ("*fp16", "tf32", 3, 1, 3, 32),
+                                     ("*fp32", "ieee", 2, 0, 4, 32)):
+    sig = {}
+    for n in inspect.signature(_pair_kernel.fn).parameters:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n == "lam":
+            sig[n] = "fp32"
+        elif n in ("n_tiles", "n_pairs", "L", "H1", "HL", "V", "min_gap", "max_gap"):
+            sig[n] = "i32"
+        else:
+            sig[n] = wdt if ptr.get(n) == "W" else ptr.get(n, "*fp32")
+    c = dict(NH=NH, HP=HP, BI=cfg["BI"], BJ=cfg["BJ"], BK=min(cfg["BK"], HP), BV=cfg["BV"], ACT=ACT,
+             MODE=MODE, NEED_GRAD=True, PREC=prec, UP=False, DET=MODE == 1)
+    k = triton.compile(ASTSource(fn=_pair_kernel, signature=sig, constexprs=c),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    assert k.asm["cubin"], "no cubin"
+print("compiled")
+'''
+
+
+def test_compiles_for_cuda_sm90():
+    """The kernel must be CUDA Triton, not only interpretable: compile it for sm_90 with Triton's own ptxas."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the cuda tests compile and run the kernel for real")
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
