@@ -162,6 +162,11 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             r, t = (int(x) for x in bad_tok.nonzero()[0])
             _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
 
+    # Clipping min_gap and prefix_start to L keeps the pair set and keeps every i + gap far from
+    # int64 overflow, here and in the engines (a min_gap or prefix_start near 2**63 wrapped around).
+    min_gap = min(min_gap, max(L, 2))
+    gmax = max(gmax, min_gap)
+    prefix_start = prefix_start.clamp(max=L)
     counts = pair_counts(lengths, prefix_start, min_gap, gmax, L)
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax, counts=counts)
     total = counts.sum()
@@ -185,7 +190,10 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         row, i, j = (x.to(device=dev, dtype=torch.int64) for x in (row, i, j))
         in_batch = (row >= 0) & (row < B)
         rc = row.clamp(0, max(B - 1, 0))
-        ok = in_batch & (i >= prefix_start[rc]) & (j >= i + min_gap) & (j <= i + gmax) & (j <= lengths[rc] - 1)
+        # With i and j checked to lie in [0, L), a j - i that overflowed (i near 2**63) is harmless.
+        gap = j - i
+        ok = in_batch & (i >= 0) & (i < L) & (j >= 0) & (j < L) & (i >= prefix_start[rc]) \
+            & (gap >= min_gap) & (gap <= gmax) & (j <= lengths[rc] - 1)
         if checking and not bool(ok.all()):
             k = int((~ok).nonzero()[0])
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "

@@ -48,12 +48,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
     TORCH_CHECK(len[r] >= 0, "lengths[", r, "] must be >= 0, got ", len[r]);
     TORCH_CHECK(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
     // Count the row's pairs prefix by prefix (SPEC §2).
+    // Gaps beyond the row's length change nothing; clamping them keeps index sums from overflowing.
+    const int64_t gmin = std::min(min_gap, std::max<int64_t>(len[r], 2));
+    const int64_t gmax = std::min(max_gap, std::max<int64_t>(len[r], 2));
     first.clear();
     int64_t n = 0;
-    const int64_t i0 = start[r];
-    for (int64_t i = i0; i + min_gap <= len[r] - 1; ++i) {
+    const int64_t i0 = std::min(start[r], len[r]);
+    for (int64_t i = i0; i <= len[r] - 1 - gmin; ++i) {
       first.push_back(n);
-      n += std::min(i + max_gap, len[r] - 1) - (i + min_gap) + 1;
+      n += std::min(i + gmax, len[r] - 1) - (i + gmin) + 1;
     }
     TORCH_CHECK(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
     if (kk[r] == 0) continue;
@@ -70,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
       const int64_t i = i0 + s;
       out_r.push_back(r);
       out_i.push_back(i);
-      out_j.push_back(i + min_gap + (p - first[s]));
+      out_j.push_back(i + gmin + (p - first[s]));
     }
   }
   auto to_tensor = [](const std::vector<int64_t>& v) {

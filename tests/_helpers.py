@@ -1,0 +1,143 @@
+"""Shared test helpers: random inputs at odd sizes, the float64 reference on upcast copies, and the
+relative errors of SPEC §6."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from bst_fast import TextHead, belief_state_loss
+
+# SPEC §6 tolerances against the float64 reference.
+TOL = {
+    torch.float64: (1e-10, 1e-10),  # (loss, each gradient by norm)
+    torch.float32: (1e-5, 1e-4),
+}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref||, in float64 (absolute error where ref is exactly zero)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    d = (x - ref).norm().item()
+    n = ref.norm().item()
+    return d / n if n > 0 else d
+
+
+def make_head(m, V, hidden=9, n_layers=2, activation="gelu", seed=0, scale=0.6):
+    """A TextHead with N(0, scale^2) weights: larger than nn.Linear's default, so the softmax is
+    not flat and every layer matters."""
+    g = torch.Generator().manual_seed(seed)
+    head = TextHead(m, V, hidden=hidden, n_layers=n_layers, activation=activation)
+    with torch.no_grad():
+        for q in head.parameters():
+            q.copy_(torch.randn(q.shape, generator=g) * scale)
+    return head
+
+
+def make_inputs(B=3, L=13, m=7, V=13, seed=0, dtype=torch.float32, **head_kw):
+    """(f, b, tokens, head), fresh random values from `seed`; f, b and head in `dtype`."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    f = torch.randn(B, L, m, generator=g).to(dtype)
+    b = torch.randn(B, L, m, generator=g).to(dtype)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = make_head(m, V, seed=seed, **head_kw).to(dtype)
+    return f, b, tokens, head
+
+
+def loss_and_grads(f, b, tokens, head, grad_out, *, wrt=("f", "b", "head"), **opts):
+    """The loss and the gradients of grad_out * loss with respect to f, b and every head parameter
+    (those named in `wrt`; None for the others). f, b and head are used as given (no copies)."""
+    f = f.detach().requires_grad_("f" in wrt)
+    b = b.detach().requires_grad_("b" in wrt)
+    params = list(head.parameters())
+    for q in params:
+        q.requires_grad_("head" in wrt)
+    loss = belief_state_loss(f, b, tokens, head, **opts)
+    inputs = ([f] if "f" in wrt else []) + ([b] if "b" in wrt else []) + (params if "head" in wrt else [])
+    grads = torch.autograd.grad(loss, inputs, grad_outputs=torch.as_tensor(grad_out, dtype=loss.dtype)) if inputs else ()
+    grads = list(grads)
+    out = {
+        "f": grads.pop(0) if "f" in wrt else None,
+        "b": grads.pop(0) if "b" in wrt else None,
+    }
+    for (name, _), g in zip(head.named_parameters(), grads if "head" in wrt else [None] * len(params)):
+        out[name] = g
+    return loss.detach(), out
+
+
+def reference64(f, b, tokens, head, grad_out, **opts):
+    """The float64 reference on upcast copies of f, b and the head (the same values, no rounding)."""
+    opts = {k: v for k, v in opts.items() if k != "backend"}
+    return loss_and_grads(f.double(), b.double(), tokens, copy.deepcopy(head).double(), grad_out,
+                          backend="reference", **opts)
+
+
+def errors(loss, grads, ref_loss, ref_grads):
+    """{'loss': rel err, name: rel err of each gradient} for the gradients that exist."""
+    out = {"loss": rel_err(loss, ref_loss)}
+    for name, g in grads.items():
+        if g is not None:
+            out[name] = rel_err(g, ref_grads[name])
+    return out
+
+
+def random_grad_out(seed) -> float:
+    """A random grad_output, bounded away from 0 and 1 (and sometimes negative)."""
+    g = torch.Generator().manual_seed(77 + seed)
+    x = float(torch.rand((), generator=g)) * 1.5 + 0.5
+    return -x if seed % 3 == 2 else x
+
+
+def with_generator(opts):
+    """opts with `generator_seed` replaced by a fresh torch.Generator of that seed, so that two
+    runs draw the same subsample."""
+    opts = dict(opts)
+    if "generator_seed" in opts:
+        opts["generator"] = torch.Generator().manual_seed(opts.pop("generator_seed"))
+    return opts
+
+
+def check_against_reference(f, b, tokens, head, *, backend, dtype=torch.float32, seed=0,
+                            wrt=("f", "b", "head"), **opts):
+    """Runs `backend` in `dtype` and the float64 reference on the same values; asserts SPEC §6.
+
+    `generator_seed=s` in opts gives each run its own generator seeded with s. Returns the errors."""
+    f, b, head = f.to(dtype), b.to(dtype), copy.deepcopy(head).to(dtype)
+    go = random_grad_out(seed)
+    ref_loss, ref_grads = reference64(f, b, tokens, head, go, **with_generator(opts))
+    loss, grads = loss_and_grads(f, b, tokens, head, go, wrt=wrt, backend=backend, **with_generator(opts))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert loss.dtype == acc, f"loss dtype {loss.dtype}, expected {acc}"
+    assert loss.dim() == 0
+    for name, g in grads.items():
+        if g is not None:
+            assert g.dtype == dtype, f"grad of {name} has dtype {g.dtype}, expected {dtype}"
+            assert g.shape == ref_grads[name].shape
+    err = errors(loss, grads, ref_loss, ref_grads)
+    tol_loss, tol_grad = TOL[dtype]
+    assert err["loss"] < tol_loss, f"{backend} {dtype}: loss {loss.item()} vs reference {ref_loss.item()}: {err}"
+    for name, e in err.items():
+        if name != "loss":
+            assert e < tol_grad, f"{backend} {dtype}: gradient of {name} has relative error {e}: {err}"
+    return err
+
+
+class SwiGLUHead(nn.Module):
+    """A residual SwiGLU head like the official BST code's: not a TextHead, no vocab_size attribute."""
+
+    def __init__(self, m, V, h=10, seed=0):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.inp = nn.Linear(2 * m, h)
+            self.gate = nn.Linear(h, 2 * h, bias=False)
+            self.up = nn.Linear(h, 2 * h, bias=False)
+            self.down = nn.Linear(2 * h, h, bias=False)
+            self.norm = nn.LayerNorm(h)
+            self.out = nn.Linear(h, 2 * V)
+
+    def forward(self, x):
+        x = self.inp(x)
+        x = x + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+        return self.out(self.norm(x))

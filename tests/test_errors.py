@@ -1,0 +1,357 @@
+"""Bad input (issue 2 §6): a ValueError (IndexError for token ids) naming the argument, through every
+backend; NaN/inf propagate; the raw ops raise RuntimeError and never crash."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import bst_fast._ops  # noqa: F401  (registers the ops' Python rules)
+from bst_fast import BACKENDS, BeliefStateLoss, TextHead, belief_state_loss
+
+from _helpers import make_inputs
+
+B, L, m, V = 3, 11, 5, 7
+BACKENDS_CPU = ["reference", "torch", "cpp"]
+
+
+@pytest.fixture
+def inputs():
+    return make_inputs(B=B, L=L, m=m, V=V, hidden=6, seed=0)
+
+
+def _call(inputs, backend, **overrides):
+    f, b, tokens, head = inputs
+    args = dict(f=f, b=b, tokens=tokens, head=head)
+    opts = {k: v for k, v in overrides.items() if k not in args}
+    args.update({k: v for k, v in overrides.items() if k in args})
+    return belief_state_loss(args["f"], args["b"], args["tokens"], args["head"], backend=backend, **opts)
+
+
+def _tok(tokens, r, t, value):
+    tokens = tokens.clone()
+    tokens[r, t] = value
+    return tokens
+
+
+def _bad_pairs():
+    row, i, j = torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 3]), torch.tensor([2, 5, 3, 10])
+    return row, i, j  # pairs[2] = (2, 2, 3) has a gap of 1
+
+
+# name -> (overrides(inputs) -> dict, exception, regex the message must match)
+BAD = {
+    "token_negative": (lambda x: dict(tokens=_tok(x[2], 1, 4, -1)), IndexError, r"tokens.*\[1, 4\].*-1"),
+    "token_too_big": (lambda x: dict(tokens=_tok(x[2], 2, 0, V)), IndexError, r"tokens.*\[2, 0\].*7"),
+    "token_too_big_last_valid": (lambda x: dict(tokens=_tok(x[2], 0, 6, 100), lengths=torch.tensor([7, 11, 11])),
+                                 IndexError, r"tokens.*\[0, 6\]"),
+    "tokens_float": (lambda x: dict(tokens=x[2].float()), ValueError, "tokens"),
+    "tokens_shape": (lambda x: dict(tokens=x[2][:, :-1]), ValueError, "tokens"),
+    "tokens_batch": (lambda x: dict(tokens=x[2][:2]), ValueError, "tokens"),
+    "f_not_3d": (lambda x: dict(f=x[0][0], b=x[1][0]), ValueError, r"\bf\b"),
+    "b_shape": (lambda x: dict(b=x[1][:, :-1]), ValueError, r"\bb\b"),
+    "b_width": (lambda x: dict(b=torch.randn(B, L, m + 1)), ValueError, r"\bb\b"),
+    "head_d_model": (lambda x: dict(head=TextHead(m + 1, V, hidden=6)), ValueError, "d_model"),
+    "f_int": (lambda x: dict(f=x[0].long(), b=x[1].long()), ValueError, r"\bf\b|dtype"),
+    "b_dtype": (lambda x: dict(b=x[1].double()), ValueError, r"\bb\b.*dtype"),
+    "head_dtype": (lambda x: dict(head=TextHead(m, V, hidden=6).double()), ValueError, "head.*dtype"),
+    "head_not_module": (lambda x: dict(head=lambda z: z), ValueError, "head"),
+    "lengths_above_L": (lambda x: dict(lengths=torch.tensor([11, 12, 3])), ValueError, r"lengths\[1\].*12"),
+    "lengths_negative": (lambda x: dict(lengths=torch.tensor([11, 5, -1])), ValueError, r"lengths\[2\]"),
+    "lengths_int_above_L": (lambda x: dict(lengths=L + 1), ValueError, "lengths"),
+    "lengths_shape": (lambda x: dict(lengths=torch.tensor([11, 5])), ValueError, "lengths"),
+    "lengths_float": (lambda x: dict(lengths=torch.tensor([11.0, 5.0, 3.0])), ValueError, "lengths"),
+    "prefix_start_negative": (lambda x: dict(prefix_start=torch.tensor([0, -2, 0])), ValueError, r"prefix_start\[1\]"),
+    "prefix_start_shape": (lambda x: dict(prefix_start=torch.tensor([0, 1])), ValueError, "prefix_start"),
+    "min_gap_1": (lambda x: dict(min_gap=1), ValueError, "min_gap"),
+    "min_gap_0": (lambda x: dict(min_gap=0), ValueError, "min_gap"),
+    "min_gap_float": (lambda x: dict(min_gap=2.5), ValueError, "min_gap"),
+    "max_gap_below_min_gap": (lambda x: dict(min_gap=4, max_gap=3), ValueError, "max_gap"),
+    "max_gap_below_default_min_gap": (lambda x: dict(max_gap=1), ValueError, "max_gap"),
+    "min_gap_int64_max": (lambda x: dict(min_gap=2**63 - 1), ValueError, "no valid pair"),
+    "explicit_pair_gap": (lambda x: dict(pairs=_bad_pairs()), ValueError, r"pairs\[2\]"),
+    "explicit_pair_row": (lambda x: dict(pairs=(torch.tensor([0, 3]), torch.tensor([0, 0]), torch.tensor([2, 2]))),
+                          ValueError, r"pairs\[1\]"),
+    "explicit_pair_negative_row": (lambda x: dict(pairs=(torch.tensor([-1]), torch.tensor([0]), torch.tensor([2]))),
+                                   ValueError, r"pairs\[0\]"),
+    "explicit_pair_beyond_length": (lambda x: dict(pairs=(torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([2, 6])),
+                                                   lengths=torch.tensor([11, 6, 11])), ValueError, r"pairs\[1\]"),
+    "explicit_pair_before_prefix_start": (lambda x: dict(pairs=(torch.tensor([0, 1]), torch.tensor([3, 1]), torch.tensor([6, 4])),
+                                                         prefix_start=2), ValueError, r"pairs\[1\]"),
+    "explicit_pair_above_max_gap": (lambda x: dict(pairs=(torch.tensor([0, 1]), torch.tensor([3, 1]), torch.tensor([6, 9])),
+                                                   max_gap=4), ValueError, r"pairs\[1\]"),
+    "explicit_pair_i_negative": (lambda x: dict(pairs=(torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]))),
+                                 ValueError, r"pairs\[0\]"),
+    "explicit_pair_j_at_L": (lambda x: dict(pairs=(torch.tensor([0]), torch.tensor([3]), torch.tensor([L]))),
+                             ValueError, r"pairs\[0\]"),
+    "explicit_pair_huge_i": (lambda x: dict(pairs=(torch.tensor([0]), torch.tensor([2**63 - 2]), torch.tensor([-2**63])),
+                                            max_gap=3), ValueError, r"pairs\[0\]"),
+    "explicit_pairs_empty": (lambda x: dict(pairs=(torch.zeros(0, dtype=torch.long),) * 3), ValueError, "pairs"),
+    "explicit_pairs_two": (lambda x: dict(pairs=(torch.tensor([0]), torch.tensor([0]))), ValueError, "pairs"),
+    "explicit_pairs_lengths_differ": (lambda x: dict(pairs=(torch.tensor([0, 0]), torch.tensor([0]), torch.tensor([2]))),
+                                      ValueError, "pairs"),
+    "explicit_pairs_float": (lambda x: dict(pairs=(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([2.0]))),
+                             ValueError, "pairs"),
+    "explicit_pairs_not_tensors": (lambda x: dict(pairs=([0], [0], [2])), ValueError, "pairs"),
+    "pairs_fraction_0": (lambda x: dict(pairs=0.0), ValueError, "pairs"),
+    "pairs_fraction_1.5": (lambda x: dict(pairs=1.5), ValueError, "pairs"),
+    "pairs_fraction_negative": (lambda x: dict(pairs=-0.5), ValueError, "pairs"),
+    "pairs_count_0": (lambda x: dict(pairs=0), ValueError, "pairs"),
+    "pairs_count_negative": (lambda x: dict(pairs=-3), ValueError, "pairs"),
+    "pairs_bool": (lambda x: dict(pairs=True), ValueError, "pairs"),
+    "pairs_string": (lambda x: dict(pairs="all"), ValueError, "pairs"),
+    "no_pair_short_rows": (lambda x: dict(lengths=torch.tensor([2, 1, 0])), ValueError, "no valid pair"),
+    "no_pair_prefix_start": (lambda x: dict(prefix_start=9), ValueError, "no valid pair"),
+    "no_pair_min_gap": (lambda x: dict(min_gap=L), ValueError, "no valid pair"),
+    "no_pair_subsampled": (lambda x: dict(lengths=torch.tensor([2, 2, 2]), pairs=0.5), ValueError, "no valid pair"),
+    "no_pair_count": (lambda x: dict(prefix_start=20, pairs=3), ValueError, "no valid pair"),
+    "reduction": (lambda x: dict(reduction="avg"), ValueError, "reduction"),
+    "reduction_none": (lambda x: dict(reduction="none"), ValueError, "reduction"),
+    "next_weight_above_1": (lambda x: dict(next_weight=1.5), ValueError, "next_weight"),
+    "next_weight_negative": (lambda x: dict(next_weight=-0.1), ValueError, "next_weight"),
+    "next_weight_nan": (lambda x: dict(next_weight=float("nan")), ValueError, "next_weight"),
+    "next_weight_string": (lambda x: dict(next_weight="0.5"), ValueError, "next_weight"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input(inputs, case, backend):
+    make, exc, pattern = BAD[case]
+    with pytest.raises(exc, match=pattern):
+        _call(inputs, backend, **make(inputs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+def test_padding_tokens_are_not_checked(inputs, backend):
+    """Token ids beyond lengths[r] are padding: any value is accepted there."""
+    f, b, tokens, head = inputs
+    tokens = tokens.clone()
+    tokens[0, 7:] = -100
+    tokens[1, 9:] = V + 5
+    loss = _call(inputs, backend, tokens=tokens, lengths=torch.tensor([7, 9, 11]))
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+def test_short_rows_are_fine(inputs, backend):
+    """Rows too short for any pair contribute nothing, as long as some row has a pair."""
+    f, b, tokens, head = inputs
+    loss = _call(inputs, backend, lengths=torch.tensor([0, 2, 3]))  # only (row 2, i=0, j=2)
+    single = _call(inputs, backend, pairs=(torch.tensor([2]), torch.tensor([0]), torch.tensor([2])))
+    assert torch.allclose(loss, single, rtol=1e-6)
+
+
+def test_unknown_backend_lists_the_choices(inputs):
+    with pytest.raises(ValueError) as e:
+        _call(inputs, "cuda")
+    msg = str(e.value)
+    assert "backend" in msg and "'cuda'" in msg
+    for name in BACKENDS:
+        assert name in msg
+    assert set(BACKENDS) >= {"auto", "reference", "torch", "cpp", "triton"}
+
+
+def test_bad_head_output():
+    """A head whose output is not (..., 2V) is refused."""
+    f, b, tokens, _ = make_inputs(B=B, L=L, m=m, V=V, seed=1)
+    odd = torch.nn.Linear(2 * m, 2 * V + 1)
+    with pytest.raises(ValueError, match="head"):
+        belief_state_loss(f, b, tokens, odd, backend="torch")
+
+
+def test_module_form_checks_too(inputs):
+    f, b, tokens, head = inputs
+    with pytest.raises(ValueError, match="min_gap"):
+        BeliefStateLoss(head, min_gap=1)(f, b, tokens)
+    with pytest.raises(ValueError, match="backend"):
+        BeliefStateLoss(head, backend="fast")(f, b, tokens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU + ["auto"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["f", "b"])
+def test_nonfinite_inputs_show_in_the_loss(inputs, backend, value, where):
+    f, b, tokens, head = inputs
+    x = (f if where == "f" else b).clone()
+    x[1, 3, 2] = value  # f[1, 3] is the prefix of pairs (3, 5..10); b[1, 3] the suffix of (0..1, 3)
+    loss = _call(inputs, backend, **{where: x})
+    assert not torch.isfinite(loss), loss
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+def test_nonfinite_head_weight_shows_in_the_loss(inputs, backend):
+    f, b, tokens, head = inputs
+    with torch.no_grad():
+        head.layers[-1].weight[3, 1] = float("nan")
+    assert torch.isnan(_call(inputs, backend))
+
+
+# --------------------------------------------------------------------------------------------
+# The raw ops: every bad argument is a RuntimeError (TORCH_CHECK), never a crash.
+
+
+def _op_args(**changes):
+    g = torch.Generator().manual_seed(0)
+    Bb, Ll, H, VV = 2, 9, 5, 4
+    args = dict(A=torch.randn(Bb, Ll, H, generator=g), Bm=torch.randn(Bb, Ll, H, generator=g),
+                weights=[torch.randn(6, H, generator=g), torch.randn(2 * VV, 6, generator=g)],
+                biases=[torch.randn(6, generator=g), torch.randn(2 * VV, generator=g)],
+                tokens=torch.randint(0, VV, (Bb, Ll), generator=g), lengths=torch.tensor([9, 7]),
+                prefix_start=torch.tensor([0, 1]), min_gap=2, max_gap=5, row=None, i=None, j=None,
+                weight=torch.tensor(0.1, dtype=torch.float64), next_weight=0.5, activation="gelu",
+                need_grad=True)
+    args.update(changes)
+    return list(args.values())
+
+
+_LIST = dict(row=torch.tensor([0, 1]), i=torch.tensor([0, 2]), j=torch.tensor([3, 6]),
+             weight=torch.tensor([0.5, 0.5], dtype=torch.float64))
+OP_BAD = {
+    "A_2d": dict(A=torch.randn(9, 5)),
+    "Bm_shape": dict(Bm=torch.randn(2, 8, 5)),
+    "A_double": dict(A=torch.randn(2, 9, 5, dtype=torch.float64)),
+    "A_half": dict(A=torch.randn(2, 9, 5).half(), Bm=torch.randn(2, 9, 5).half()),
+    "no_weights": dict(weights=[], biases=[]),
+    "weights_biases_count": dict(biases=[torch.randn(6)]),
+    "weight_in_width": dict(weights=[torch.randn(6, 4), torch.randn(8, 6)]),
+    "weight_chain": dict(weights=[torch.randn(6, 5), torch.randn(8, 7)]),
+    "bias_width": dict(biases=[torch.randn(5), torch.randn(8)]),
+    "odd_output": dict(weights=[torch.randn(6, 5), torch.randn(7, 6)], biases=[torch.randn(6), torch.randn(7)]),
+    "weight_double": dict(weights=[torch.randn(6, 5).double(), torch.randn(8, 6)]),
+    "tokens_shape": dict(tokens=torch.zeros(2, 8, dtype=torch.long)),
+    "tokens_int32": dict(tokens=torch.zeros(2, 9, dtype=torch.int32)),
+    "token_negative": dict(tokens=torch.full((2, 9), -1)),
+    "token_too_big": dict(tokens=torch.full((2, 9), 4)),
+    "lengths_above_L": dict(lengths=torch.tensor([10, 7])),
+    "lengths_negative": dict(lengths=torch.tensor([9, -3])),
+    "lengths_shape": dict(lengths=torch.tensor([9])),
+    "lengths_int32": dict(lengths=torch.tensor([9, 7], dtype=torch.int32)),
+    "prefix_start_negative": dict(prefix_start=torch.tensor([0, -1])),
+    "prefix_start_shape": dict(prefix_start=torch.tensor([0, 1, 2])),
+    "min_gap_1": dict(min_gap=1),
+    "max_gap_below_min_gap": dict(min_gap=3, max_gap=2),
+    "next_weight": dict(next_weight=1.5),
+    "activation": dict(activation="tanh"),
+    "weight_not_scalar": dict(weight=torch.ones(3, dtype=torch.float64)),
+    "row_without_i": dict(row=torch.tensor([0])),
+    "pair_list_weight_count": {**_LIST, "weight": torch.ones(3, dtype=torch.float64)},
+    "pair_list_lengths_differ": {**_LIST, "j": torch.tensor([3])},
+    "pair_list_int32": {**_LIST, "row": torch.tensor([0, 1], dtype=torch.int32)},
+    "pair_row_out_of_range": {**_LIST, "row": torch.tensor([0, 2])},
+    "pair_row_negative": {**_LIST, "row": torch.tensor([-1, 1])},
+    "pair_j_beyond_length": {**_LIST, "j": torch.tensor([3, 7])},
+    "pair_j_beyond_L": {**_LIST, "row": torch.tensor([0, 0]), "j": torch.tensor([3, 100])},
+    "pair_gap_too_small": {**_LIST, "j": torch.tensor([1, 6])},
+    "pair_i_before_prefix_start": {**_LIST, "i": torch.tensor([0, 0]), "j": torch.tensor([3, 4])},
+    "pair_i_negative": {**_LIST, "i": torch.tensor([-4, 2]), "j": torch.tensor([-1, 6]), "prefix_start": torch.tensor([-5, 0])},
+}
+
+
+@pytest.mark.parametrize("case", list(OP_BAD))
+def test_pair_loss_op_bad_input(case):
+    with pytest.raises(RuntimeError):
+        torch.ops.bst_fast.pair_loss(*_op_args(**OP_BAD[case]))
+
+
+def test_pair_loss_op_good_input_runs():
+    """The base arguments of the cases above are valid: each case breaks exactly one thing."""
+    loss = torch.ops.bst_fast.pair_loss(*_op_args())[0]
+    assert torch.isfinite(loss) and loss > 0
+    loss = torch.ops.bst_fast.pair_loss(*_op_args(**_LIST))[0]
+    assert torch.isfinite(loss) and loss > 0
+
+
+SAMPLE_BAD = {
+    "lengths_2d": (torch.tensor([[9, 7]]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, 1])),
+    "lengths_int32": (torch.tensor([9, 7], dtype=torch.int32), torch.tensor([0, 0]), 2, 5, torch.tensor([1, 1])),
+    "prefix_start_shape": (torch.tensor([9, 7]), torch.tensor([0]), 2, 5, torch.tensor([1, 1])),
+    "k_shape": (torch.tensor([9, 7]), torch.tensor([0, 0]), 2, 5, torch.tensor([1])),
+    "k_above_count": (torch.tensor([9, 4]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, 4])),
+    "k_negative": (torch.tensor([9, 7]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, -1])),
+    "lengths_negative": (torch.tensor([9, -7]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, 0])),
+    "prefix_start_negative": (torch.tensor([9, 7]), torch.tensor([0, -3]), 2, 5, torch.tensor([1, 0])),
+    "min_gap_1": (torch.tensor([9, 7]), torch.tensor([0, 0]), 1, 5, torch.tensor([1, 1])),
+    "max_gap_below_min_gap": (torch.tensor([9, 7]), torch.tensor([0, 0]), 4, 3, torch.tensor([1, 1])),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLE_BAD))
+def test_sample_pairs_op_bad_input(case):
+    with pytest.raises(RuntimeError):
+        torch.ops.bst_fast.sample_pairs(*SAMPLE_BAD[case], 0)
+
+
+# Extreme integers, where an unchecked i + max_gap overflows int64: run in a subprocess, so that a
+# crash or a hang fails the test instead of killing the session.
+_PRELUDE = """
+import torch, bst_fast._ops
+g = torch.Generator().manual_seed(0)
+A, Bm = torch.randn(2, 9, 5, generator=g), torch.randn(2, 9, 5, generator=g)
+W, c = [torch.randn(8, 5, generator=g)], [torch.randn(8, generator=g)]
+tok = torch.randint(0, 4, (2, 9), generator=g)
+lengths, ps, one = torch.tensor([9, 7]), torch.tensor([0, 1]), torch.tensor(1.0, dtype=torch.float64)
+op = torch.ops.bst_fast
+def call(min_gap=2, max_gap=5, lengths=lengths, ps=ps, row=None, i=None, j=None, weight=one):
+    return op.pair_loss(A, Bm, W, c, tok, lengths, ps, min_gap, max_gap, row, i, j, weight, 0.5, "gelu", True)[0]
+reference = call(max_gap=8)  # every pair: no gap above L - 1 = 8 exists
+"""
+I64_MAX = 2**63 - 1
+EXTREME = {
+    # The pair (0, 2**63 - 2, -2**63): i + min_gap and i + max_gap wrap around to pass the checks;
+    # it must be refused (RuntimeError), not read out of bounds.
+    "pair_i_near_int64_max": ("out = call(min_gap=2, max_gap=3, row=torch.tensor([0]), i=torch.tensor([2**63 - 2]), "
+                              "j=torch.tensor([-2**63]), weight=torch.ones(1, dtype=torch.float64))", True),
+    # The rest are valid arguments with a well-defined answer (a huge max_gap is no limit; a huge
+    # prefix_start leaves the row no pair): the op must give it, not 0, a hang or a bad_alloc.
+    "max_gap_int64_max": (f"out = call(max_gap={I64_MAX}); assert torch.allclose(out, reference), (out, reference)", False),
+    "min_and_max_gap_huge": (f"out = call(min_gap={I64_MAX - 1}, max_gap={I64_MAX}); assert out == 0, out", False),
+    "prefix_start_int64_max": (f"out = call(ps=torch.tensor([{I64_MAX}, 1])); want = call(ps=torch.tensor([9, 1])); "
+                               "assert torch.allclose(out, want), (out, want)", False),
+    "sample_max_gap_int64_max": (f"out = op.sample_pairs(lengths, ps, 2, {I64_MAX}, torch.tensor([3, 3]), 0); "
+                                 "want = op.sample_pairs(lengths, ps, 2, 9, torch.tensor([3, 3]), 0); "
+                                 "assert all(torch.equal(x, y) for x, y in zip(out, want)), (out, want)", False),
+    "sample_prefix_start_int64_max": (f"out = op.sample_pairs(lengths, torch.tensor([{I64_MAX}, 1]), 2, 5, torch.tensor([0, 3]), 0); "
+                                      "want = op.sample_pairs(lengths, torch.tensor([9, 1]), 2, 5, torch.tensor([0, 3]), 0); "
+                                      "assert all(torch.equal(x, y) for x, y in zip(out, want)), (out, want)", False),
+    # The same through the public API, every CPU backend.
+    "public_prefix_start_int64_max": (
+        "from bst_fast import TextHead, belief_state_loss\n"
+        "            head = TextHead(3, 4, hidden=5)\n"
+        "            f, b = torch.randn(2, 9, 3, generator=g), torch.randn(2, 9, 3, generator=g)\n"
+        "            for be in ('cpp', 'torch', 'reference'):\n"
+        f"                out = belief_state_loss(f, b, tok, head, prefix_start=torch.tensor([{I64_MAX}, 1]), backend=be)\n"
+        "                want = belief_state_loss(f, b, tok, head, prefix_start=torch.tensor([9, 1]), backend=be)\n"
+        "                assert torch.allclose(out, want), (be, out, want)", False),
+}
+
+
+def _limit_memory():
+    """3 GiB of address space for the child: a runaway loop fails fast instead of eating the machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+@pytest.mark.parametrize("case", list(EXTREME))
+def test_ops_extreme_integers_do_not_crash(case):
+    """A RuntimeError for a bad pair, the right answer for valid extremes; never a crash, a hang or
+    a silently wrong loss."""
+    code, must_raise = EXTREME[case]
+    script = _PRELUDE + textwrap.dedent(f"""
+        try:
+            {code}
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+        else:
+            print("OK")
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                              preexec_fn=_limit_memory)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: the op hung (no answer in 30 s)")
+    out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, f"{case}: exit code {proc.returncode}: {proc.stderr[-2000:]}"
+    assert out.startswith("RuntimeError") if must_raise else out == "OK", out
