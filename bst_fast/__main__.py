@@ -1,4 +1,9 @@
-"""Command line: `python -m bst_fast train ...` and `python -m bst_fast star ...` (the star-graph reproduction)."""
+"""Command line: `python -m bst_fast train | star | table | generate | probe ...`.
+
+train: one model; star: BST vs forward-only; table: every star-graph method and ablation, the
+paper's path-accuracy table; generate: decode from a checkpoint (sampling, Algorithm 1 planning,
+beam search); probe: belief-state probes of star-graph checkpoints.
+"""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +76,195 @@ def cmd_star(args):
     print(f"\n(a forward-only model that learned only the 'flawed cheat' scores about 1/d = {1 / d:.3f})")
 
 
+# The paper's star-graph figure: its four baselines, the BST and the two BST ablations.
+TABLE_ROWS = (
+    ("forward-only", {"method": "forward"}),
+    ("data augmentation", {"method": "augment"}),
+    ("fill-in-the-middle", {"method": "fim"}),
+    ("teacherless (multi-token)", {"method": "teacherless"}),
+    ("BST", {"method": "bst"}),
+    ("BST w/o Prev", {"method": "bst", "next_weight": 1.0}),
+    ("BST w/o backward", {"method": "bst", "model.backward_encoder": False}),
+)
+
+
+def machine() -> str:
+    """The CPU (or GPU) model, the thread count and the torch version, for result files."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def cmd_table(args):
+    """Trains every row of TABLE_ROWS on one config and prints path accuracy per method."""
+    import time
+
+    from .train import train
+
+    base = _load(args)
+    lines = []
+    for label, changes in TABLE_ROWS:
+        cfg = _apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
+        cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
+        print(f"== {label}", flush=True)
+        t0 = time.perf_counter()
+        r = train(cfg, resume=args.resume)
+        lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
+                     f"{time.perf_counter() - t0:.0f} |")
+    text = "\n".join([
+        f"Star graph G({base.star_degree},{base.star_path_len}), N={base.star_nodes} node labels, "
+        f"{base.n_test} test graphs; {base.model.n_layer} layers x {base.model.d_model}, "
+        f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", "",
+        "| method | path accuracy | final train loss | train time (s) |", "| --- | --- | --- | --- |", *lines, "",
+        f"(guessing one arm at random scores 1/d = {1 / base.star_degree:.3f})"])
+    print("\n" + text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text((args.note + "\n\n" if args.note else "") + text + "\n")
+
+
+def _resolve_checkpoint(path):
+    """(checkpoint folder, model, config); any failure is a ValueError naming the path."""
+    from .train import latest_checkpoint, load_model
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = path if (path / "config.json").exists() else latest_checkpoint(path)
+        if ckpt is None:
+            raise ValueError("it is neither a checkpoint folder nor a run folder with checkpoints")
+        model, cfg = load_model(ckpt)
+    except Exception as e:  # json, safetensors and shape errors alike: the file is not a usable checkpoint
+        raise ValueError(f"cannot load checkpoint {path}: {e}") from e
+    model.eval()
+    return ckpt, model, cfg
+
+
+class _StarCodec:
+    """Star-graph text <-> ids: nodes as numbers, "|", "/", "=" as themselves (tokenizer.decode's format)."""
+
+    def __init__(self, cfg):
+        from .data import StarGraphTokenizer
+
+        self.tok = StarGraphTokenizer(cfg.star_nodes)
+        self.bos_id, self.eos_id = self.tok.bos_id, self.tok.eos_id
+        self.words = {w: self.tok.n_nodes + k for k, w in enumerate(self.tok.SPECIALS)}
+
+    def encode(self, text):
+        ids = []
+        for w in text.split():
+            if w.isdigit() and int(w) < self.tok.n_nodes:
+                ids.append(int(w))
+            elif w in self.words:
+                ids.append(self.words[w])
+            else:
+                raise ValueError(f"{w!r} is out of the star-graph vocabulary: nodes 0..{self.tok.n_nodes - 1}, "
+                                 f"'|', '/', '=' (e.g. --prefix \"3 7 | 7 2 | 3 5 | 5 1 / 3 2 =\")")
+        return ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special=True)
+
+
+class _TextCodec:
+    """BPE text <-> ids with the run's tokenizer.json (written by training beside the checkpoints)."""
+
+    def __init__(self, ckpt, cfg):
+        from .data import load_tokenizer
+
+        places = [ckpt.parent.parent / "tokenizer.json", Path(cfg.out_dir) / "tokenizer.json"]
+        found = next((p for p in places if p.exists()), None)
+        if found is None:
+            raise ValueError(f"no tokenizer.json for checkpoint {ckpt} (looked in {', '.join(map(str, places))})")
+        self.tok = load_tokenizer(found)
+        self.bos_id, self.eos_id = self.tok.token_to_id("<bos>"), self.tok.token_to_id("<eos>")
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids if i not in (self.bos_id, self.eos_id)])
+
+
+def cmd_generate(args):
+    import torch
+
+    from . import decode
+
+    ckpt, model, cfg = _resolve_checkpoint(args.checkpoint)
+    star = cfg.data == "star"
+    codec = _StarCodec(cfg) if star else _TextCodec(ckpt, cfg)
+    prompt = codec.encode(args.prefix)
+    if not prompt or prompt[0] != codec.bos_id:
+        prompt = [codec.bos_id] + prompt
+    goal = codec.encode(args.suffix) if args.suffix else []
+    horizon = args.horizon if args.horizon is not None else (cfg.star_path_len if star else 32)
+    search = args.search or ("plan" if goal or args.rollouts is not None else "greedy")
+    bst = cfg.method == "bst"
+    if search == "plan" and not bst:
+        raise ValueError(f"planning needs a BST checkpoint; this one is '{cfg.method}' (use --search greedy, sample or beam)")
+    if goal and not bst and cfg.method != "fim":
+        raise ValueError(f"a '{cfg.method}' model cannot read a --suffix (use a BST or a FIM checkpoint)")
+    if goal and cfg.method == "fim":
+        # FIM reads its goal in front of the answer: [... / s g | suffix =]
+        if prompt[-1] != codec.tok.answer_id:
+            raise ValueError("a FIM star-graph prefix must end with '='")
+        prompt, goal = prompt[:-1] + [codec.tok.edge_sep_id] + goal + [prompt[-1]], []
+    score = None
+    if cfg.method == "teacherless":
+        if search != "greedy":
+            raise ValueError("a teacherless model decodes in one pass: use --search greedy")
+        new = model.generate(torch.tensor([prompt]), horizon)[0].tolist()
+    elif search == "plan":
+        result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=args.rollouts or 120, eos_id=codec.eos_id)
+        new = result.best[len(prompt):len(result.best) - len(goal)].tolist()
+        score = float(result.scores.max())
+    elif search == "beam":
+        seqs, logp = decode.beam_search(model, prompt, horizon, beams=args.beams, goal=goal, eos_id=codec.eos_id)
+        new, score = seqs[0].tolist(), float(logp[0])
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        new = decode.sample(model, torch.tensor([prompt]), horizon, codec.eos_id, goal=goal, generator=gen,
+                            temperature=0 if search == "greedy" else args.temperature, top_k=args.top_k)[0].tolist()
+    if not star and codec.eos_id in new:
+        new = new[:new.index(codec.eos_id)]
+    print(f"prefix:    {codec.decode(prompt)}")
+    print(f"generated: {codec.decode(new)}")
+    if goal:
+        print(f"suffix:    {codec.decode(goal)}")
+    if score is not None:
+        print(f"search: {search}, log score {score:.4f}")
+
+
+def cmd_probe(args):
+    """Probe accuracy per k (f at "=" -> the path token k ahead) of star-graph checkpoints."""
+    from .data import StarGraphData
+    from .decode import probe_future_tokens
+
+    for path in args.checkpoint:
+        _, model, cfg = _resolve_checkpoint(path)
+        if cfg.data != "star" or cfg.method not in ("bst", "forward"):
+            raise ValueError(f"{path}: probes read star-graph BST or forward-only checkpoints, not {cfg.method} on {cfg.data}")
+        # A seed the run never used, so probe graphs are fresh.
+        data = StarGraphData(cfg.star_degree, cfg.star_path_len, cfg.star_nodes, args.n_train, args.n_test, seed=cfg.seed + 12345)
+        ks = range(1, data.path_len + 1)
+        acc = probe_future_tokens(model, data.train_tokens, data.test_tokens, data.prefix_start, ks, steps=args.steps)
+        print(f"{cfg.method} ({path}): " + ", ".join(f"k={k}: {a:.3f}" for k, a in acc.items()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bst_fast", description="Belief State Transformer training")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -83,9 +277,33 @@ def main(argv=None):
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
+    p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
+    p.add_argument("--config", default=str(CONFIGS / "star_table_cpu.yaml"), help="YAML or JSON TrainConfig")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true", help="continue each method from its latest checkpoint")
+    p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--note", help="a line written above the table in --out")
+    p = sub.add_parser("generate", help="decode from a checkpoint: greedy/sample, planning (Algorithm 1), beam search")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder or a run folder (its latest checkpoint)")
+    p.add_argument("--prefix", required=True, help="text (star graphs: '3 7 | 7 2 | 3 5 | 5 1 / 3 2 =')")
+    p.add_argument("--suffix", help="the goal: planning / beam search write toward it")
+    p.add_argument("--search", choices=["greedy", "sample", "plan", "beam"],
+                   help="default: plan with --suffix or --rollouts, else greedy")
+    p.add_argument("--rollouts", type=int, help="planning roll-outs (default 120, the paper's)")
+    p.add_argument("--horizon", type=int, help="tokens to generate (default: the path length on star graphs, else 32)")
+    p.add_argument("--beams", type=int, default=120, help="beam search width")
+    p.add_argument("--temperature", type=float, default=1.0, help="--search sample")
+    p.add_argument("--top-k", type=int, help="--search sample: keep the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="--search sample")
+    p = sub.add_parser("probe", help="belief-state probes of star-graph checkpoints: accuracy per k")
+    p.add_argument("--checkpoint", action="append", required=True, help="repeat for several models")
+    p.add_argument("--n-train", type=int, default=2000, help="probe training graphs")
+    p.add_argument("--n-test", type=int, default=500, help="probe test graphs")
+    p.add_argument("--steps", type=int, default=300, help="probe optimizer steps")
     args = ap.parse_args(argv)
     try:
-        {"train": cmd_train, "star": cmd_star}[args.command](args)
+        {"train": cmd_train, "star": cmd_star, "table": cmd_table, "generate": cmd_generate,
+         "probe": cmd_probe}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

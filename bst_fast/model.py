@@ -26,6 +26,7 @@ class ModelConfig:
     head_layers: int = 2  # TextHead Linear layers
     head_activation: str = "gelu"  # TextHead activation
     gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
+    backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
 
 
 class Block(nn.Module):
@@ -108,18 +109,6 @@ def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None):
     return (ce * mask).sum() / (mask.sum() if total is None else total)
 
 
-def greedy(encoder, next_logits, prefix, n_new):
-    """Greedy decoding with a KV-cached encoder: (B, P) prompt -> (B, n_new); next_logits(f) -> (B, V)."""
-    caches = [dict() for _ in encoder.blocks]
-    f = encoder(prefix, 0, caches)[:, -1]
-    out = []
-    for step in range(n_new):
-        out.append(next_logits(f).argmax(-1))  # (B,)
-        if step + 1 < n_new:
-            f = encoder(out[-1][:, None], 0, caches, offset=prefix.shape[1] + step)[:, -1]
-    return torch.stack(out, 1)
-
-
 def _init_weights(module):
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -136,8 +125,12 @@ class BeliefStateTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.forward_encoder = Encoder(cfg, segments=2 if cfg.shared_encoders else 0)
-        self.backward_encoder = None if cfg.shared_encoders else Encoder(cfg)
+        shared = cfg.shared_encoders and cfg.backward_encoder
+        self.forward_encoder = Encoder(cfg, segments=2 if shared else 0)
+        self.backward_encoder = Encoder(cfg) if cfg.backward_encoder and not shared else None
+        # Without a backward encoder the head still sees [f ; b], with b a learned constant: it keeps
+        # both heads and every pair, but no suffix information reaches them.
+        self.suffix_constant = None if cfg.backward_encoder else nn.Parameter(torch.zeros(cfg.d_model))
         self.head = TextHead(cfg.d_model, cfg.vocab_size, cfg.head_hidden, cfg.head_layers, cfg.head_activation)
         self.gpt = nn.Linear(cfg.d_model, cfg.vocab_size) if cfg.gpt_head else None
         _init_weights(self)
@@ -148,6 +141,8 @@ class BeliefStateTransformer(nn.Module):
 
     def suffix_states(self, tokens, lengths=None):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
+        if self.suffix_constant is not None:
+            return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
         if lengths is None:
             lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
         rev, idx = reverse_valid(tokens, lengths)
@@ -193,8 +188,9 @@ class BeliefStateTransformer(nn.Module):
     @torch.no_grad()
     def generate(self, prefix, n_new: int, eos_id: int):
         """Greedy decoding with the empty suffix: (B, P) prompt -> (B, n_new) tokens."""
-        b_empty = self.empty_suffix(eos_id)
-        return greedy(self.forward_encoder, lambda f: self.logits(f, b_empty)[0], prefix, n_new)
+        from .decode import sample
+
+        return sample(self, prefix, n_new, eos_id, temperature=0)
 
 
 class ForwardOnly(nn.Module):
@@ -216,4 +212,35 @@ class ForwardOnly(nn.Module):
     @torch.no_grad()
     def generate(self, prefix, n_new: int, eos_id: int = 0):
         """Greedy decoding: (B, P) prompt -> (B, n_new) tokens."""
-        return greedy(self.forward_encoder, self.lm_head, prefix, n_new)
+        from .decode import sample
+
+        return sample(self, prefix, n_new, temperature=0)
+
+
+class Teacherless(ForwardOnly):
+    """Teacherless multi-token prediction (Bachmann & Nagarajan): the answer's input tokens are all
+    replaced by one dummy token (id vocab_size - 1, never in the data), so every answer token is
+    predicted in one forward pass from the question alone."""
+
+    @property
+    def dummy_id(self):
+        return self.cfg.vocab_size - 1
+
+    def _blind(self, tokens, lengths, prefix_start):
+        i = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
+        return tokens.masked_fill((i > ps) & (i < lengths[:, None]), self.dummy_id)
+
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
+        if lengths is None:
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
+        loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
+        return {"total": loss, "gpt": loss, "belief": None}
+
+    @torch.no_grad()
+    def generate(self, prefix, n_new: int, eos_id: int = 0):
+        """One forward pass over the prompt and n_new - 1 dummies: (B, P) -> (B, n_new)."""
+        B, P = prefix.shape
+        blind = torch.cat([prefix, prefix.new_full((B, max(n_new - 1, 0)), self.dummy_id)], 1)
+        return self.lm_head(self.forward_encoder(blind)[:, P - 1:P - 1 + n_new]).argmax(-1)

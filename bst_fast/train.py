@@ -1,4 +1,10 @@
-"""bst_fast.train: AdamW + warmup/cosine training of a BST (or the forward-only baseline) with exact resume and DDP."""
+"""bst_fast.train: AdamW + warmup/cosine training of a BST (or a baseline) with exact resume and DDP.
+
+Methods (TrainConfig.method): "bst"; the star-graph baselines of the paper's figure: "forward"
+(next-token), "augment" (goal replaced by an intermediate node), "fim" (Fill-in-the-Middle: a path
+suffix placed before the answer) and "teacherless" (multi-token prediction). The BST ablations are
+"bst" with next_weight=1 ("w/o Prev") and with model.backward_encoder=false ("w/o backward").
+"""
 from __future__ import annotations
 
 import csv
@@ -17,21 +23,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ._pairs import pair_counts
-from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
+from .model import BeliefStateTransformer, ForwardOnly, ModelConfig, Teacherless
 
-METHODS = ("bst", "forward")
+METHODS = ("bst", "forward", "augment", "fim", "teacherless")
+STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defined on star graphs
 
 
 @dataclass
 class TrainConfig:
     # --- what to train ---
-    method: str = "bst"  # "bst": the belief-state objective; "forward": next-token baseline
+    method: str = "bst"  # one of METHODS (see the module docstring)
     data: str = "star"  # "star" for star graphs, else a text file or folder
     star_degree: int = 2  # d of G(d, l): arms from the start node
     star_path_len: int = 5  # l of G(d, l): nodes on the path, start and goal included
     star_nodes: int = 50  # N: node labels to draw from
     n_train: int = 0  # fixed set of training graphs; 0 streams fresh graphs every step
     n_test: int = 500  # held-out graphs for path accuracy (never trained on)
+    augment_prob: float = 0.5  # method "augment": share of training rows whose goal becomes an intermediate node
     text_vocab: int = 1000  # BPE vocabulary for text data (the paper: 1000)
     max_len: int = 256  # text documents are cut to at most this many tokens
     model: ModelConfig = field(default_factory=ModelConfig)  # vocab_size / max_len are set from the data
@@ -89,6 +97,10 @@ class TrainConfig:
 
         if self.method not in METHODS:
             bad("method", f"one of {METHODS}")
+        if self.method in STAR_ONLY and self.data != "star":
+            bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
+        if not 0.0 <= self.augment_prob <= 1.0:
+            bad("augment_prob", "in [0, 1]")
         for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
@@ -156,11 +168,49 @@ class _StarTask:
             cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
         self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
         self.prefix_start = self.data.prefix_start
-        self.seed = cfg.seed
+        self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
+        l = self.data.path_len
+        if self.method == "fim":  # rows grow by "|" and a suffix of at most l - 1 path nodes
+            self.max_len += l
+        # Test prompts: FIM is given the shortest suffix, the goal alone ([... / s g | g =]).
+        self.test_rows, self.test_start = self.data.test_tokens, self.prefix_start
+        if self.method == "fim":
+            self.test_rows, _, starts = self.fim_rows(self.data.test_tokens, torch.full((len(self.test_rows),), l))
+            self.test_start = int(starts[0])
 
     def batch(self, step, batch_size):
+        """(tokens, lengths, prefix_start (B,) or None): the method's training rows of step `step`."""
         rows = self.stream.batch(step, batch_size) if self.stream else self.data.batch(step, batch_size, self.seed)
-        return rows, torch.full((rows.shape[0],), rows.shape[1], dtype=torch.long)
+        lengths = torch.full((rows.shape[0],), rows.shape[1], dtype=torch.long)
+        # The transforms draw from their own (seed, step) generator: resume stays exact.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_033 + step)
+        l, ps = self.data.path_len, self.prefix_start
+        if self.method == "augment" and l > 2:
+            # [E / s g = path] -> [E / s n' = path], n' uniform among the intermediate nodes n_2..n_{l-1}
+            rows = rows.clone()
+            which = torch.rand(len(rows), generator=gen) < self.augment_prob
+            mid = torch.randint(2, l, (len(rows),), generator=gen)  # 1-based path index of n'
+            node = rows.gather(1, (ps + mid)[:, None])[:, 0]
+            rows[:, ps - 1] = torch.where(which, node, rows[:, ps - 1])
+        if self.method == "fim":
+            j = torch.randint(2, l + 1, (len(rows),), generator=gen)  # suffix n_j..n_l, 1 to l-1 nodes
+            rows, lengths, starts = self.fim_rows(rows, j)
+            return rows, lengths, starts
+        return rows, lengths, None
+
+    def fim_rows(self, rows, j):
+        """The paper's FIM rows [BOS E / s g | n_j .. n_l = n_1 .. n_l EOS], right-padded: (rows, lengths,
+        prefix_start (B,)) with j (B,) the 1-based first suffix node."""
+        ps, l = self.prefix_start, self.data.path_len
+        out = torch.full((len(rows), rows.shape[1] + l), self.tok.pad_id, dtype=torch.long)
+        lengths, starts = torch.empty(len(rows), dtype=torch.long), torch.empty(len(rows), dtype=torch.long)
+        for r in range(len(rows)):
+            jr = int(j[r])
+            suffix = rows[r, ps + jr:ps + l + 1]  # path node k sits at ps + k
+            row = torch.cat([rows[r, :ps], rows.new_tensor([self.tok.edge_sep_id]), suffix, rows[r, ps:]])
+            out[r, :len(row)] = row
+            lengths[r], starts[r] = len(row), ps + 1 + len(suffix)
+        return out, lengths, starts
 
     @torch.no_grad()
     def evaluate(self, model, device):
@@ -173,7 +223,7 @@ class _StarTask:
         def generate(prefix, n_new):
             return model.generate(prefix.to(device), n_new, eos_id=eos).cpu()
 
-        acc = path_accuracy(generate, self.data.test_tokens, self.prefix_start, self.data.path_len)
+        acc = path_accuracy(generate, self.test_rows, self.test_start, self.data.path_len)
         model.train(was)
         return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
 
@@ -196,7 +246,7 @@ class _TextTask:
         self.seed, self.cfg = cfg.seed, cfg
 
     def batch(self, step, batch_size):
-        return self.data.batch(step, batch_size, self.seed)
+        return (*self.data.batch(step, batch_size, self.seed), None)
 
     @torch.no_grad()
     def evaluate(self, model, device):
@@ -300,13 +350,17 @@ def load_model(path, device="cpu"):
 
 def build_task(cfg: TrainConfig):
     task = _StarTask(cfg) if cfg.data == "star" else _TextTask(cfg)
-    cfg.model.vocab_size, cfg.model.max_len = task.vocab_size, task.max_len
+    # teacherless: one extra id, the dummy answer token
+    cfg.model.vocab_size = task.vocab_size + (cfg.method == "teacherless")
+    cfg.model.max_len = task.max_len
     cfg.model.gpt_head = cfg.gamma > 0
     return task
 
 
 def build_model(cfg: TrainConfig):
-    return BeliefStateTransformer(cfg.model) if cfg.method == "bst" else ForwardOnly(cfg.model)
+    if cfg.method == "bst":
+        return BeliefStateTransformer(cfg.model)
+    return Teacherless(cfg.model) if cfg.method == "teacherless" else ForwardOnly(cfg.model)
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -420,13 +474,15 @@ def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
     for step in range(start, end):
         # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
-        tokens, lengths = task.batch(step, cfg.batch_size)  # the global batch, (B, L)
-        start_pos = torch.full_like(lengths, task.prefix_start)
+        tokens, lengths, row_start = task.batch(step, cfg.batch_size)  # the global batch, (B, L)
+        start_pos = torch.full_like(lengths, task.prefix_start) if row_start is None else row_start
         pair_total = pair_counts(lengths, start_pos, 2, tokens.shape[1], tokens.shape[1]).sum().item() / world
-        token_total = ((lengths - 1 - task.prefix_start).clamp(min=0)).sum().item() / world
+        token_total = ((lengths - 1 - start_pos).clamp(min=0)).sum().item() / world
         tokens, lengths = tokens[rank::world].to(device), lengths[rank::world].to(device)
+        # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
+        prefix_start = task.prefix_start if row_start is None else row_start[rank::world].to(device)
         with autocast:
-            out = ddp(tokens, lengths, prefix_start=task.prefix_start, pairs=cfg.pairs,
+            out = ddp(tokens, lengths, prefix_start=prefix_start, pairs=cfg.pairs,
                       next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
                       generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + rank),
                       pair_total=pair_total, token_total=token_total)

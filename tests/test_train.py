@@ -115,7 +115,7 @@ def test_malformed_config_names_the_field(bad, field):
 
 
 @pytest.mark.parametrize("bad, field", [
-    ({"method": "fim"}, "method"), ({"pairs": 1.5}, "pairs"), ({"steps": 0}, "steps"), ({"min_lr": 1.0}, "min_lr"),
+    ({"method": "gpt"}, "method"), ({"pairs": 1.5}, "pairs"), ({"steps": 0}, "steps"), ({"min_lr": 1.0}, "min_lr"),
 ])
 def test_invalid_config_values_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"'{field}'"):

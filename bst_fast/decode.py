@@ -1,0 +1,320 @@
+"""Decoding with a trained model: sampling, goal-conditioned and unconditional planning, beam search,
+belief-state embeddings and probes.
+
+Sequences are 1-D or (B, L) int64 ids that start with BOS (the rows the models were trained on).
+The search algorithms talk to a model only through a "search interface" of four methods:
+
+    start(prefix (B, P), goal (G,)) -> Next logits (B, V) for the token after each prefix, given
+                                       the goal as suffix (B(goal + EOS); an empty goal is B(∅))
+    step(tokens (B,))              -> Next logits (B, V) after appending one token per row
+    reorder(index (B',))           -> keep / repeat rows of the running state (beam search)
+    score(seqs (n, L), first, head) -> (n,) sum over positions p = first..L-2 of
+                                       log head(seqs[p] | F(seqs[:p]), B(seqs[p+1:]));
+                                       seqs end with EOS, which is never scored
+
+`BSTSearch` and `ForwardSearch` implement it with a KV cache (so n new tokens cost n cached
+encoder steps); tests implement it with hand-set probability tables.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _ids(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.long).reshape(-1)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _Cache:
+    """A KV-cached causal Encoder: read a prompt once, then one token per row at a time."""
+
+    def __init__(self, encoder, segment: int = 0):
+        self.encoder, self.segment = encoder, segment
+        self.caches, self.length = None, 0
+
+    def start(self, prefix):
+        self.caches = [dict() for _ in self.encoder.blocks]
+        self.length = prefix.shape[1]
+        return self.encoder(prefix, self.segment, self.caches)[:, -1]  # (B, m)
+
+    def step(self, tokens):
+        f = self.encoder(tokens[:, None], self.segment, self.caches, offset=self.length)[:, -1]
+        self.length += 1
+        return f
+
+    def reorder(self, index):
+        # torch.cat in Block.attend makes fresh tensors, so indexing never aliases another row's cache.
+        for c in self.caches:
+            c["k"], c["v"] = c["k"][index], c["v"][index]
+
+
+class ForwardSearch:
+    """The search interface for a forward-only model (e.g. a FIM model: its goal is in the prompt)."""
+
+    def __init__(self, model):
+        self.model, self.cache = model, _Cache(model.forward_encoder)
+
+    @torch.no_grad()
+    def start(self, prefix, goal=()):
+        if len(_ids(goal)):
+            raise ValueError("a forward-only model takes no goal; put it in the prompt (FIM format)")
+        return self.model.lm_head(self.cache.start(prefix.to(_device(self.model))))
+
+    @torch.no_grad()
+    def step(self, tokens):
+        return self.model.lm_head(self.cache.step(tokens.to(_device(self.model))))
+
+    def reorder(self, index):
+        self.cache.reorder(index)
+
+    def score(self, seqs, first, head="next"):
+        raise ValueError("scoring candidates needs a Belief State Transformer (the Next/Prev heads)")
+
+
+class BSTSearch:
+    """The search interface for a BeliefStateTransformer: Next head on (F(prefix), B(goal))."""
+
+    def __init__(self, model, eos_id: int):
+        self.model, self.eos_id = model, int(eos_id)
+        self.cache = _Cache(model.forward_encoder, segment=0)
+        self.b = None
+
+    @torch.no_grad()
+    def goal_state(self, goal):
+        """B(goal + EOS) at the goal's first token; B(∅) for an empty goal. (m,)"""
+        goal = _ids(goal).to(_device(self.model))
+        if len(goal) == 0:
+            return self.model.empty_suffix(self.eos_id)
+        row = torch.cat([goal, goal.new_tensor([self.eos_id])])[None]
+        return self.model.suffix_states(row)[0, 0]
+
+    def _next(self, f):
+        return self.model.logits(f, self.b)[0]
+
+    @torch.no_grad()
+    def start(self, prefix, goal=()):
+        self.b = self.goal_state(goal)
+        return self._next(self.cache.start(prefix.to(_device(self.model))))
+
+    @torch.no_grad()
+    def step(self, tokens):
+        return self._next(self.cache.step(tokens.to(_device(self.model))))
+
+    def reorder(self, index):
+        self.cache.reorder(index)
+
+    @torch.no_grad()
+    def score(self, seqs, first: int, head: str = "next"):
+        """All candidates in one batched pass of both encoders (see the module docstring)."""
+        seqs = seqs.to(_device(self.model))
+        L = seqs.shape[1]
+        if not 1 <= first <= L - 2:
+            return torch.zeros(len(seqs), device=seqs.device)
+        f = self.model.prefix_states(seqs)   # f[:, p-1] has read seqs[:, :p]
+        b = self.model.suffix_states(seqs)   # b[:, p+1] has read seqs[:, p+1:]
+        p = torch.arange(first, L - 1, device=seqs.device)
+        nxt, prv = self.model.logits(f[:, p - 1], b[:, p + 1])  # (n, |p|, V)
+        logp = F.log_softmax((nxt if head == "next" else prv).float(), -1)
+        return logp.gather(-1, seqs[:, p, None]).squeeze(-1).sum(-1)
+
+
+def searcher(model, eos_id: Optional[int] = None):
+    """The search interface for a model; an object that already has one is returned as it is."""
+    if all(hasattr(model, name) for name in ("start", "step", "score")):
+        return model
+    if hasattr(model, "head"):
+        if eos_id is None:
+            raise ValueError("a Belief State Transformer needs eos_id (its empty suffix is B(EOS))")
+        return BSTSearch(model, eos_id)
+    if hasattr(model, "lm_head"):
+        return ForwardSearch(model)
+    raise ValueError(f"cannot decode with a {type(model).__name__}")
+
+
+def _check_room(model, n_positions):
+    limit = getattr(getattr(model, "cfg", None), "max_len", None)
+    if limit is not None and n_positions > limit:
+        raise ValueError(f"prompt + generated + goal tokens ({n_positions}) exceed the model's max_len {limit}")
+
+
+# ---------------------------------------------------------------- sampling
+
+@torch.no_grad()
+def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperature: float = 1.0,
+           top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None):
+    """(B, P) prompts -> (B, n_new) tokens, KV-cached. temperature=0 is greedy; top_k keeps the k
+    most likely tokens before sampling. A BST reads the goal as suffix (default: the empty suffix)."""
+    prefix = torch.as_tensor(prefix, dtype=torch.long)
+    if prefix.dim() == 1:
+        prefix = prefix[None]
+    if isinstance(model, nn.Module):
+        _check_room(model, prefix.shape[1] + n_new)
+    search = searcher(model, eos_id)
+    out = []
+    logits = search.start(prefix, goal)
+    for step in range(n_new):
+        if temperature == 0:
+            token = logits.argmax(-1)
+        else:
+            z = logits.float() / temperature
+            if top_k is not None and top_k < z.shape[-1]:
+                kth = z.topk(top_k, dim=-1).values[..., -1:]
+                z = z.masked_fill(z < kth, float("-inf"))
+            token = torch.multinomial(z.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(z.device)
+        out.append(token)
+        if step + 1 < n_new:
+            logits = search.step(token)
+    return torch.stack(out, 1) if out else prefix.new_zeros((prefix.shape[0], 0))
+
+
+# ---------------------------------------------------------------- planning (Algorithm 1)
+
+class Plan(NamedTuple):
+    best: torch.Tensor              # (P + horizon + G,) prompt, generated tokens, goal
+    candidates: List[torch.Tensor]  # in rollout order, each like `best`
+    scores: torch.Tensor            # (n,) log of the goal score of each candidate
+
+
+@torch.no_grad()
+def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id: Optional[int] = None,
+         score_last: Optional[int] = None) -> Plan:
+    """The paper's Algorithm 1 (goal-conditioned planning), or with an empty goal its unconditional
+    variant.
+
+    `horizon` is the number of tokens generated between prompt and goal (the paper's k - 1: its
+    goal starts at x_{t+k}). Each of `rollouts` roll-outs pops the sequence of highest priority r
+    (the prompt first, r = 1), extends it greedily with the Next head given B(goal), and pushes
+    every non-greedy token x with priority r * p(x) / p(x_max). Candidates are scored in one batch:
+    with a goal by the known-goal score (the product over goal tokens of the Next head's
+    probability given the prefix before it and the rest of the goal as suffix), without one by the
+    unknown-goal score (the Prev head over the last `score_last` tokens, default `horizon`).
+    Ties in priority pop in push order, and one step pushes its tokens in vocabulary order.
+    """
+    prompt, goal = _ids(prompt).tolist(), _ids(goal).tolist()
+    if isinstance(model, nn.Module):
+        _check_room(model, len(prompt) + horizon + len(goal) + 1)
+    search = searcher(model, eos_id)
+    end = len(prompt) + horizon
+    queue = [(-1.0, 0, prompt)]  # (-priority, push order, sequence): heapq pops the smallest
+    pushed, candidates = 1, []
+    for j in range(rollouts):
+        if not queue:
+            break
+        neg_r, _, s = heapq.heappop(queue)
+        r = -neg_r
+        left = rollouts - j - 1  # pops still to come: an entry ranked below that can never be popped
+        if len(s) < end:
+            logits = search.start(torch.tensor([s]), goal)[0]
+            while True:
+                p = logits.float().softmax(-1).cpu()
+                x_max = int(p.argmax())
+                if left:
+                    # Only the `left` most likely alternatives can ever be popped: pushing the rest
+                    # would change nothing but memory (V - 1 entries per step otherwise).
+                    alt = p.clone()
+                    alt[x_max] = -1.0
+                    keep = alt.topk(min(left, len(p) - 1)).indices.sort().values.tolist()
+                    for x in keep:
+                        heapq.heappush(queue, (-(r * float(p[x] / p[x_max])), pushed, s + [x]))
+                        pushed += 1
+                s = s + [x_max]
+                if len(s) >= end:
+                    break
+                logits = search.step(torch.tensor([x_max]))[0]
+            if len(queue) > left:
+                queue = heapq.nsmallest(left, queue)  # a sorted list is a valid heap
+        candidates.append(torch.tensor(s + goal))
+    eos = eos_id if eos_id is not None else getattr(search, "eos_id", 0)
+    rows = torch.stack([torch.cat([c, torch.tensor([eos])]) for c in candidates])
+    if goal:
+        scores = search.score(rows, end, "next")
+    else:
+        k = horizon if score_last is None else score_last
+        scores = search.score(rows, max(end - k, 1), "prev")
+    scores = torch.as_tensor(scores).float().cpu()
+    return Plan(candidates[int(scores.argmax())], candidates, scores)
+
+
+# ---------------------------------------------------------------- beam search
+
+@torch.no_grad()
+def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Optional[int] = None):
+    """The paper's "Beam Search" algorithm: keep the `beams` most probable continuations at each
+    depth, scored by the product of Next-head probabilities (a BST reads the goal as suffix; a FIM
+    model gets the goal inside its prompt). Returns (sequences (n, n_new), log-probs (n,)), best first.
+    """
+    prompt = _ids(prompt)
+    if isinstance(model, nn.Module):
+        _check_room(model, len(prompt) + n_new + len(_ids(goal)) + 1)
+    search = searcher(model, eos_id)
+    seqs = torch.zeros((1, 0), dtype=torch.long)
+    logp = torch.zeros(1)
+    if n_new == 0:
+        return seqs, logp
+    logits = search.start(prompt[None], goal)
+    for depth in range(n_new):
+        total = (F.log_softmax(logits.float(), -1).cpu() + logp[:, None]).reshape(-1)  # (beams * V,)
+        V = logits.shape[-1]
+        logp, flat = total.topk(min(beams, total.numel()))
+        parent, token = flat // V, flat % V
+        seqs = torch.cat([seqs[parent], token[:, None]], 1)
+        if depth + 1 < n_new:
+            search.reorder(parent.to(logits.device))
+            logits = search.step(token)
+    return seqs, logp
+
+
+# ---------------------------------------------------------------- belief states and probes
+
+@torch.no_grad()
+def belief_states(model, tokens, lengths=None):
+    """f at the end of each row's prefix: (B, L) tokens, (B,) lengths (default: full rows) -> (B, m).
+    Works for a BST and a forward-only model (both have `forward_encoder`)."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    tokens = tokens.to(_device(model))
+    if lengths is None:
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+    f = model.forward_encoder(tokens)
+    return f[torch.arange(len(f), device=f.device), torch.as_tensor(lengths, device=f.device) - 1]
+
+
+def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: int = 300,
+                   lr: float = 3e-3, seed: int = 0) -> float:
+    """Trains a small MLP (x -> hidden -> class) on (train_x, train_y) with full-batch AdamW and
+    returns its accuracy on (test_x, test_y)."""
+    train_x, test_x = train_x.detach().float().cpu(), test_x.detach().float().cpu()
+    train_y, test_y = train_y.long().cpu(), test_y.long().cpu()
+    n_class = int(max(train_y.max(), test_y.max())) + 1
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        mlp = nn.Sequential(nn.Linear(train_x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, n_class))
+        opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
+        for _ in range(steps):
+            loss = F.cross_entropy(mlp(train_x), train_y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        return float((mlp(test_x).argmax(-1) == test_y).float().mean())
+
+
+def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Sequence[int], **probe_kw):
+    """Paper §"Understanding Belief States": from f at `position` (star graphs: the "=" before the
+    path), probe the token k steps ahead for each k. Returns {k: test accuracy}."""
+    states = {}
+    for name, rows in (("train", train_tokens), ("test", test_tokens)):
+        rows = torch.as_tensor(rows)
+        states[name] = belief_states(model, rows[:, :position + 1])
+    return {k: probe_accuracy(states["train"], torch.as_tensor(train_tokens)[:, position + k],
+                              states["test"], torch.as_tensor(test_tokens)[:, position + k], **probe_kw)
+            for k in ks}

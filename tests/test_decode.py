@@ -1,0 +1,282 @@
+"""Decoding and evaluation: Algorithm 1 on hand-set probabilities, beam search against exhaustive
+search, KV-cached decoding against full re-encoding, probes, the baseline methods and the generate CLI."""
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bst_fast import decode
+from bst_fast.__main__ import main
+from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig
+from bst_fast.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+EOS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # These tests run many tiny ops; on a shared CPU, intra-op threads spin-wait for busy cores and
+    # make them 20x slower, so they run single-threaded (restored afterwards).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class TableModel:
+    """The search interface over hand-set tables: next[prefix tuple] = probabilities of the next token,
+    score[candidate tuple] = its log score. It records what the planner asked for."""
+
+    def __init__(self, next_probs, scores):
+        self.next_probs, self.scores, self.calls = next_probs, scores, []
+
+    def _logits(self):
+        return torch.tensor([self.next_probs[tuple(s)] for s in self.rows]).log()
+
+    def start(self, prefix, goal=()):
+        self.rows = [list(map(int, r)) for r in prefix]
+        self.calls.append(("start", tuple(self.rows[0]), tuple(int(g) for g in goal)))
+        return self._logits()
+
+    def step(self, tokens):
+        for row, t in zip(self.rows, tokens.tolist()):
+            row.append(t)
+        return self._logits()
+
+    def reorder(self, index):
+        self.rows = [list(self.rows[i]) for i in index.tolist()]
+
+    def score(self, seqs, first, head="next"):
+        self.calls.append(("score", first, head))
+        return torch.tensor([self.scores[tuple(r[:-1].tolist())] for r in seqs])
+
+
+NEXT = {(0,): [0.5, 0.3, 0.2], (0, 0): [0.1, 0.1, 0.8], (0, 1): [0.2, 0.7, 0.1], (0, 2): [0.6, 0.3, 0.1]}
+
+
+def test_plan_follows_algorithm_1_on_known_probabilities():
+    # Rollout 1 is greedy: 0 -> 0 -> 2, pushing (0,1) r=.6, (0,2) r=.4, (0,0,0) r=.125, (0,0,1) r=.125.
+    # Rollout 2 pops (0,1): greedy 1, pushes (0,1,0) r=.6*.2/.7=.171, (0,1,2) r=.086.
+    # Rollout 3 pops (0,2): greedy 0, pushes (0,2,1) r=.4*.3/.6=.2, (0,2,2) r=.067.
+    # Rollout 4 pops (0,2,1) (r=.2, the highest), already horizon long.
+    scores = {(0, 0, 2, 1): -3.0, (0, 1, 1, 1): -1.0, (0, 2, 0, 1): -2.0, (0, 2, 1, 1): -0.5}
+    stub = TableModel(NEXT, scores)
+    result = decode.plan(stub, [0], goal=[1], horizon=2, rollouts=4, eos_id=EOS)
+    assert [c.tolist() for c in result.candidates] == [[0, 0, 2, 1], [0, 1, 1, 1], [0, 2, 0, 1], [0, 2, 1, 1]]
+    assert result.best.tolist() == [0, 2, 1, 1]
+    assert result.scores.tolist() == [-3.0, -1.0, -2.0, -0.5]
+    # Goal known: the goal tokens (from position 3) are scored by the Next head, once, in a batch.
+    assert stub.calls[-1] == ("score", 3, "next") and sum(c[0] == "score" for c in stub.calls) == 1
+    assert [c[1] for c in stub.calls if c[0] == "start"] == [(0,), (0, 1), (0, 2)]
+    assert all(c[2] == (1,) for c in stub.calls if c[0] == "start")
+
+
+def test_unconditional_plan_scores_last_tokens_with_prev_head():
+    scores = {(0, 0, 2): -3.0, (0, 1, 1): -0.1, (0, 2, 0): -2.0}
+    stub = TableModel(NEXT, scores)
+    result = decode.plan(stub, [0], goal=[], horizon=2, rollouts=3, eos_id=EOS, score_last=1)
+    assert result.best.tolist() == [0, 1, 1]
+    assert stub.calls[-1] == ("score", 2, "prev")  # the last 1 token of 3
+    assert all(c[2] == () for c in stub.calls if c[0] == "start")
+
+
+def tiny_bst(V=5, shared=False, seed=0, scale=30.0):
+    torch.manual_seed(seed)
+    model = BeliefStateTransformer(ModelConfig(vocab_size=V, max_len=24, n_layer=2, d_model=16, n_head=2,
+                                               head_hidden=16, shared_encoders=shared)).eval()
+    with torch.no_grad():  # spread the probabilities so that orders are not decided by rounding
+        model.head.layers[-1].weight.mul_(scale)
+    return model
+
+
+def tiny_forward(V=5, seed=0):
+    torch.manual_seed(seed)
+    model = ForwardOnly(ModelConfig(vocab_size=V, max_len=24, n_layer=2, d_model=16, n_head=2)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def full_next_logits(model, seq, goal):
+    """Next logits after seq by re-encoding everything (no cache)."""
+    seq = torch.tensor([seq])
+    if isinstance(model, ForwardOnly):
+        return model.lm_head(model.forward_encoder(seq))[0, -1]
+    f = model.prefix_states(seq)[0, -1]
+    return model.logits(f, decode.BSTSearch(model, EOS).goal_state(goal))[0]
+
+
+@pytest.mark.parametrize("kind", ["bst", "bst_shared", "forward"])
+def test_cached_decoding_equals_full_reencoding(kind):
+    model = tiny_forward() if kind == "forward" else tiny_bst(shared=kind == "bst_shared")
+    goal = [] if kind == "forward" else [2, 1]
+    prompt = [4, 0, 1]
+    with torch.no_grad():
+        out = decode.sample(model, torch.tensor([prompt]), 10, EOS, temperature=0, goal=goal)[0].tolist()
+        seq, search = list(prompt), decode.searcher(model, EOS)
+        cached = search.start(torch.tensor([prompt]), goal)[0]
+        for t in out:
+            full = full_next_logits(model, seq, goal)
+            assert torch.allclose(cached, full, atol=1e-5, rtol=1e-5)
+            assert int(full.argmax()) == t
+            seq.append(t)
+            cached = search.step(torch.tensor([t]))[0]
+    if kind != "forward":  # model.generate is greedy with the empty suffix
+        assert model.generate(torch.tensor([prompt]), 10, EOS)[0].tolist() == \
+            decode.sample(model, torch.tensor([prompt]), 10, EOS, temperature=0)[0].tolist()
+
+
+def test_top_k_sampling_stays_in_top_k():
+    model = tiny_bst()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.tensor([[4, 0, 1]] * 64)
+    first = decode.sample(model, prompts, 1, EOS, top_k=2, generator=gen)[:, 0]
+    allowed = full_next_logits(model, [4, 0, 1], []).topk(2).indices.tolist()
+    assert set(first.tolist()) <= set(allowed) and len(set(first.tolist())) == 2
+
+
+@pytest.mark.parametrize("kind", ["bst", "fim"])
+def test_beam_search_equals_exhaustive_search(kind):
+    V, depth = 4, 3
+    model = tiny_bst(V=V, seed=1) if kind == "bst" else tiny_forward(V=V, seed=1)
+    prompt, goal = ([0, 1], [2]) if kind == "bst" else ([2, 0, 1], [])  # FIM: the goal is in the prompt
+    with torch.no_grad():
+        exhaustive = []
+        for u in itertools.product(range(V), repeat=depth):
+            logp = sum(float(F.log_softmax(full_next_logits(model, prompt + list(u[:d]), goal), -1)[u[d]])
+                       for d in range(depth))
+            exhaustive.append((logp, list(u)))
+        exhaustive.sort(key=lambda x: -x[0])
+        beams = V ** (depth - 1)  # wide enough that pruning never drops a prefix of a top sequence
+        seqs, logp = decode.beam_search(model, prompt, depth, beams=beams, goal=goal, eos_id=EOS)
+    assert [s.tolist() for s in seqs] == [u for _, u in exhaustive[:beams]]
+    assert torch.allclose(logp, torch.tensor([lp for lp, _ in exhaustive[:beams]]), atol=1e-4)
+
+
+def test_known_goal_score_and_plan_on_a_real_model():
+    model = tiny_bst()
+    prompt, goal, horizon = [4, 0], [2, 1], 3
+    result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=5, eos_id=EOS)
+    assert len(result.candidates) == 5 and len({tuple(c.tolist()) for c in result.candidates}) == 5
+    # The first roll-out is greedy given B(goal).
+    greedy = decode.sample(model, torch.tensor([prompt]), horizon, EOS, temperature=0, goal=goal)[0].tolist()
+    assert result.candidates[0].tolist() == prompt + greedy + goal
+    # Known-goal score by hand: each goal token given its prefix and the rest of the goal (+ EOS) as suffix.
+    with torch.no_grad():
+        for cand, score in zip(result.candidates, result.scores):
+            row = torch.tensor([cand.tolist() + [EOS]])
+            f, b = model.prefix_states(row)[0], model.suffix_states(row)[0]
+            want = sum(float(F.log_softmax(model.logits(f[p - 1], b[p + 1])[0], -1)[row[0, p]])
+                       for p in range(len(prompt) + horizon, row.shape[1] - 1))
+            assert math.isclose(float(score), want, rel_tol=1e-4, abs_tol=1e-5)
+    assert result.best.tolist() == result.candidates[int(result.scores.argmax())].tolist()
+
+
+def test_belief_states_and_probe_known_cases():
+    model = tiny_bst()
+    tokens = torch.tensor([[4, 0, 1, 2, 0], [4, 1, 1, 0, 0]])
+    lengths = torch.tensor([5, 3])
+    with torch.no_grad():
+        f = model.prefix_states(tokens)
+    states = decode.belief_states(model, tokens, lengths)
+    assert torch.allclose(states, torch.stack([f[0, 4], f[1, 2]]))
+    # Constant states: the probe can only predict the training majority (class 0, 6 of 10), so its
+    # test accuracy is exactly the share of 0s in the test labels.
+    zeros = torch.zeros(10, 4)
+    acc = decode.probe_accuracy(zeros, torch.tensor([0] * 6 + [1] * 4), zeros, torch.tensor([0] * 3 + [1] * 7))
+    assert acc == pytest.approx(0.3)
+    # States that hold the label (one-hot): perfect.
+    y = torch.arange(20) % 4
+    assert decode.probe_accuracy(F.one_hot(y, 4).float(), y, F.one_hot(y, 4).float(), y) == 1.0
+
+
+def tiny(tmp_path, **changes):
+    d = TrainConfig.load(TINY).to_dict()
+    d.update(out_dir=str(tmp_path), **changes)
+    return TrainConfig.from_dict(d)
+
+
+TINY_MODEL = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16}
+
+
+@pytest.mark.parametrize("changes", [{"method": "augment"}, {"method": "fim"}, {"method": "teacherless"},
+                                     {"method": "bst", "next_weight": 1.0},
+                                     {"method": "bst", "model": {**TINY_MODEL, "backward_encoder": False}}])
+def test_each_method_trains(tmp_path, changes):
+    result = train(tiny(tmp_path, steps=3, eval_every=3, ckpt_every=0, **changes))
+    assert math.isfinite(result["loss"]) and 0.0 <= result["path_accuracy"] <= 1.0
+
+
+def test_method_data_transforms():
+    from bst_fast.train import _StarTask
+
+    cfg = tiny("/tmp/unused", method="augment", augment_prob=1.0, star_path_len=4, star_nodes=12)
+    task = _StarTask(cfg)
+    plain = task.stream.batch(0, 8)
+    rows, _, _ = task.batch(0, 8)
+    ps = task.prefix_start
+    assert torch.equal(rows[:, :ps - 1], plain[:, :ps - 1]) and torch.equal(rows[:, ps:], plain[:, ps:])
+    assert all(int(r[ps - 1]) in r[ps + 2:ps + 4].tolist() for r in rows)  # an intermediate node n_2 or n_3
+    cfg.method = "fim"
+    task = _StarTask(cfg)
+    rows, lengths, starts = task.batch(0, 8)
+    tok = task.tok
+    for r, n, s in zip(rows, lengths, starts):
+        r = r[:n].tolist()
+        assert r[s] == tok.answer_id and r[ps] == tok.edge_sep_id and r[-1] == tok.eos_id
+        suffix, path = r[ps + 1:s], r[s + 1:-1]
+        assert 1 <= len(suffix) <= 3 and path[-len(suffix):] == suffix
+    # The test prompt gives FIM the goal alone as its suffix.
+    t = task.test_rows[0].tolist()
+    assert t[task.test_start - 1] == t[ps - 1] and t[task.test_start - 2] == tok.edge_sep_id
+
+
+@pytest.fixture(scope="module")
+def star_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("star")
+    train(tiny(out, steps=2, eval_every=2, ckpt_every=0))
+    return out
+
+
+def test_generate_cli_star(star_ckpt, capsys):
+    prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"prefix:    {prefix}\ngenerated: ") and len(out.splitlines()[1].split()) == 4
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, "--suffix", "4",
+                 "--rollouts", "3", "--horizon", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "suffix:    4" in out and "search: plan" in out
+
+
+def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prefix", "0 ="]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", "0 1 | banana / 0 1 ="]) == 2
+    assert "'banana' is out of the star-graph vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", "0 99 ="]) == 2
+    assert "'99' is out of the star-graph vocabulary" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert main(["generate", "--checkpoint", str(broken), "--prefix", "0 ="]) == 2
+    assert "cannot load checkpoint" in capsys.readouterr().err
+
+
+def test_generate_cli_text(tmp_path, capsys):
+    corpus = tmp_path / "stories.txt"
+    corpus.write_text("\n\n".join(f"Once upon a time a cat named Tom {w} the ball. The end." for w in
+                                ("saw", "found", "lost", "kicked", "liked", "wanted")) + "\n")
+    train(tiny(tmp_path / "run", data=str(corpus), text_vocab=300, max_len=48, steps=2, batch_size=2, eval_every=2, ckpt_every=0))
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prefix", "Once upon a time"]
+    assert main(args + ["--suffix", " The end.", "--rollouts", "4", "--horizon", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix:    Once upon a time" in out and "suffix:     The end." in out and "search: plan" in out
+    assert main(args + ["--search", "beam", "--beams", "3", "--horizon", "3"]) == 0
+    assert "search: beam" in capsys.readouterr().out
+    assert main(args + ["--search", "sample", "--top-k", "5", "--horizon", "4"]) == 0
