@@ -278,7 +278,7 @@ def main(argv=None):
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
     p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
-    p.add_argument("--config", default=str(CONFIGS / "star_table_cpu.yaml"), help="YAML or JSON TrainConfig")
+    p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"), help="YAML or JSON TrainConfig")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue each method from its latest checkpoint")
     p.add_argument("--out", help="also write the table to this file")

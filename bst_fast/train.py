@@ -439,9 +439,10 @@ def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
     task = build_task(cfg)
     model = build_model(cfg).to(device)
     if cfg.compile:
-        model.forward_encoder = torch.compile(model.forward_encoder)
+        # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
+        model.forward_encoder.compile()
         if getattr(model, "backward_encoder", None) is not None:
-            model.backward_encoder = torch.compile(model.backward_encoder)
+            model.backward_encoder.compile()
     optimizer = _optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     out_dir = Path(cfg.out_dir)
