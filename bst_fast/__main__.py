@@ -49,7 +49,7 @@ def cmd_train(args):
     from .train import train
 
     cfg = _load(args)
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
 
 
@@ -65,7 +65,7 @@ def cmd_star(args):
         cfg.out_dir = str(Path(base.out_dir) / method)
         print(f"== {method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
               f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
-        result = train(cfg, resume=args.resume)
+        result = train(cfg, resume=args.resume, overwrite=not args.resume)  # a reproduction reruns
         rows.append((method, result))
     print("\n| method | path accuracy | final loss | steps/s |")
     print("| --- | --- | --- | --- |")
@@ -120,7 +120,7 @@ def cmd_table(args):
         cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
         print(f"== {label}", flush=True)
         t0 = time.perf_counter()
-        r = train(cfg, resume=args.resume)
+        r = train(cfg, resume=args.resume, overwrite=not args.resume)
         lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
                      f"{time.perf_counter() - t0:.0f} |")
     text = "\n".join([
@@ -266,6 +266,8 @@ def cmd_probe(args):
 
 
 def main(argv=None):
+    from .train import TrainingStopped
+
     ap = argparse.ArgumentParser(prog="python -m bst_fast", description="Belief State Transformer training")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "train one model"), ("star", "star-graph reproduction: BST vs forward-only")):
@@ -275,6 +277,8 @@ def main(argv=None):
                        (f" (default {default})" if default else ""))
         p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field, e.g. model.n_layer=6")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
+        if name == "train":
+            p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds another run")
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
     p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
@@ -307,6 +311,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
 from ._pairs import Pairs
@@ -41,12 +40,7 @@ torch.library.register_autograd("bst_fast::pair_loss", _backward, setup_context=
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):
     """The cpp backend: the split first layer in torch (autograd maps dA, dB to f, b, W1, c1),
     everything per pair in the C++ engine."""
-    w1f, w1b, c1 = head.split_first_layer()
-    # Padding (positions >= lengths) is never part of a pair, but dW1 = dA^T f reads every row of
-    # f and b: zero it, so that NaN/inf in padding cannot reach the gradients (0 * NaN = NaN).
-    pad = (torch.arange(f.shape[1], device=f.device)[None, :] >= p.lengths[:, None])[..., None]
-    A = F.linear(f.float().masked_fill(pad, 0.0), w1f.float(), c1.float())  # (B, L, h1)
-    Bm = F.linear(b.float().masked_fill(pad, 0.0), w1b.float())  # (B, L, h1)
+    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) each
     weights = [layer.weight.float() for layer in head.layers[1:]]
     biases = [layer.bias.float() for layer in head.layers[1:]]
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))

@@ -103,12 +103,15 @@ def _as_row_vector(x, name, B, device):
               + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
     if tuple(x.shape) != (B,):
         _fail(ValueError, f"{name} must have shape ({B},) to match f, got {tuple(x.shape)}")
-    return x.to(device=device, dtype=torch.int64)
+    return x.to(device=device, dtype=torch.int64).contiguous()  # kernels read it with stride 1
 
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
-            next_weight, reduction, generator) -> Pairs:
-    """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument."""
+            next_weight, reduction, generator, op_checks=False) -> Pairs:
+    """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
+
+    op_checks: the backend's op repeats the checks of values (the cpp op does), so under
+    torch.compile they are skipped here and the traced graph has no break."""
     if not torch.is_tensor(f) or f.dim() != 3:
         _fail(ValueError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
@@ -141,17 +144,22 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     else:
         lengths = _as_row_vector(lengths, "lengths", B, dev)
     prefix_start = _as_row_vector(prefix_start, "prefix_start", B, dev)
+    # Clipping the gaps and prefix_start to L keeps the pair set and keeps every i + gap far from
+    # int64 overflow, here and in the engines (a min_gap or prefix_start near 2**63 wrapped around).
+    min_gap = min(min_gap, max(L, 2))
     gmax = L if max_gap is None else min(max_gap, L)
-    # Checks of values need the host; under torch.compile they are left to the C++ op, which
-    # makes the same checks, so that the traced graph has no break.
-    checking = not torch.compiler.is_compiling()
+    gmax = max(gmax, min_gap)
+    counts = pair_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L)
+    total = counts.sum()
+    checking = not (op_checks and torch.compiler.is_compiling())
     if checking:
         bad_len = (lengths < 0) | (lengths > L)
         bad_start = prefix_start < 0
         # Every token a row can use as a label must be a vocabulary index; padding is not checked.
         valid = torch.arange(L, device=dev)[None] < lengths.clamp(0, L)[:, None]
         bad_tok = valid & ((tokens < 0) | (tokens >= vocab_size))
-        any_bad = torch.stack([bad_len.any(), bad_start.any(), bad_tok.any()]).tolist()  # one sync
+        no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
+        any_bad = torch.stack([bad_len.any(), bad_start.any(), bad_tok.any(), no_pair]).tolist()  # one sync
         if any_bad[0]:
             r = int(bad_len.nonzero()[0])
             _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
@@ -161,19 +169,12 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if any_bad[2]:
             r, t = (int(x) for x in bad_tok.nonzero()[0])
             _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
-
-    # Clipping min_gap and prefix_start to L keeps the pair set and keeps every i + gap far from
-    # int64 overflow, here and in the engines (a min_gap or prefix_start near 2**63 wrapped around).
-    min_gap = min(min_gap, max(L, 2))
-    gmax = max(gmax, min_gap)
+        if any_bad[3]:
+            _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     prefix_start = prefix_start.clamp(max=L)
-    counts = pair_counts(lengths, prefix_start, min_gap, gmax, L)
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax, counts=counts)
-    total = counts.sum()
 
     if pairs is None:
-        if checking and int(total) == 0:
-            _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
         scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)
         return Pairs(scale=scale, **common)
 
@@ -214,8 +215,6 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
         k = torch.full_like(counts, pairs)
     k = torch.minimum(k, counts)
-    if int(total) == 0:
-        _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
     # SPEC §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
     weight = counts[row].double() / k[row].double()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -346,7 +345,7 @@ class _PairLoss(torch.autograd.Function):
     """loss(A, B, later layers); the forward also computes every gradient, the backward scales them."""
 
     @staticmethod
-    def forward(ctx, A, Bm, tokens, p, lam, activation, dtype, deterministic, *params):
+    def forward(ctx, A, Bm, tokens, p, lam, activation, dtype, deterministic, need, *params):
         dev = A.device
         Bn, L, H1 = A.shape
         weights, biases = params[0::2], params[1::2]
@@ -358,7 +357,6 @@ class _PairLoss(torch.autograd.Function):
         HP = max(16, _next_pow2(max(widths)))
         BK, BV = min(BK, HP), min(BV, max(16, _next_pow2(V)))
         BP = BI * BJ
-        need = any(ctx.needs_input_grad[:2]) or any(ctx.needs_input_grad[8:])
 
         # hidden-to-hidden layers zero-padded to (HP, HP) so one loop serves every width
         Wh = torch.zeros(max(NH - 1, 1), HP, HP, dtype=dtype, device=dev)
@@ -425,12 +423,12 @@ class _PairLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if not ctx.need:
-            return (None,) * (8 + len(ctx.dtypes))
+            return (None,) * (9 + len(ctx.dtypes))
         dA, dB, *gp = ctx.saved_tensors
         gA = grad_loss * dA if ctx.needs_input_grad[0] else None
         gB = grad_loss * dB if ctx.needs_input_grad[1] else None
-        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[8:])]
-        return (gA, gB, None, None, None, None, None, None, *out)
+        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[9:])]
+        return (gA, gB, None, None, None, None, None, None, None, *out)
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, deterministic: bool = False):
@@ -440,8 +438,9 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, deterministic: b
     p: the checked pair set; deterministic: bitwise-reproducible gradients (one program: slow).
     Returns a 0-dim float32 loss.
     """
-    W1f, W1b, c1 = head.split_first_layer()
-    A = F.linear(f.float(), W1f.float(), c1.float())  # (B, L, h1)
-    Bm = F.linear(b.float(), W1b.float())  # (B, L, h1)
+    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) each
     params = [q for layer in head.layers[1:] for q in (layer.weight, layer.bias)]
-    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, f.dtype, bool(deterministic), *params)
+    # Decided here, not in forward: inside forward grad mode is off and needs_input_grad ignores it.
+    need = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *params))
+    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, f.dtype, bool(deterministic),
+                           need, *params)

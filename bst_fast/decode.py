@@ -156,7 +156,7 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     if prefix.dim() == 1:
         prefix = prefix[None]
     if isinstance(model, nn.Module):
-        _check_room(model, prefix.shape[1] + n_new)
+        _check_room(model, prefix.shape[1] + n_new - 1)  # the last new token is never read
     search = searcher(model, eos_id)
     out = []
     logits = search.start(prefix, goal)

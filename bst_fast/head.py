@@ -69,5 +69,17 @@ class TextHead(nn.Module):
         w = self.layers[0].weight  # (h1, 2m)
         return w[:, : self.d_model], w[:, self.d_model :], self.layers[0].bias
 
+    def first_layer_states(self, f, b, lengths):
+        """(A, B), each (B, L, h1) float32: A = f W1f^T + c1, B = b W1b^T, so z1_ij = A_i + B_j.
+
+        The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
+        (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
+        that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
+        w1f, w1b, c1 = self.split_first_layer()
+        pad = (torch.arange(f.shape[1], device=f.device)[None, :] >= lengths[:, None])[..., None]
+        A = F.linear(f.float().masked_fill(pad, 0.0), w1f.float(), c1.float())
+        B = F.linear(b.float().masked_fill(pad, 0.0), w1b.float())
+        return A, B
+
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -13,12 +13,18 @@ BACKENDS = ("auto", "reference", "torch", "cpp", "triton")
 
 
 def _vocab_size(head, m, device, dtype):
-    """V from the head: TextHead knows it; any other module is probed once with a zero pair."""
+    """V from the head: its vocab_size attribute, else a probe with one zero pair in eval mode (so
+    that it draws no dropout randomness and updates no running statistics)."""
     v = getattr(head, "vocab_size", None)
     if isinstance(v, int):
         return v
-    with torch.no_grad():
-        out = head(torch.zeros(1, 2 * m, device=device, dtype=dtype))
+    was = head.training
+    head.eval()
+    try:
+        with torch.no_grad():
+            out = head(torch.zeros(1, 2 * m, device=device, dtype=dtype))
+    finally:
+        head.train(was)
     if out.dim() != 2 or out.shape[-1] % 2:
         raise ValueError(f"head must map (..., 2m) to (..., 2V), got an output of shape {tuple(out.shape)}")
     return out.shape[-1] // 2
@@ -80,7 +86,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator)
+                       generator=generator, op_checks=name == "cpp")
     tokens = tokens.long()
     if name == "reference":
         return reference.pair_loss(f, b, tokens, head, p, next_weight, V)

@@ -121,6 +121,10 @@ class TrainConfig:
             bad("min_lr", f"in [0, lr={self.lr}] with lr > 0")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "'auto', 'cpu' or 'cuda'")
+        from .loss import BACKENDS
+
+        if self.backend not in BACKENDS:
+            bad("backend", f"one of {BACKENDS}")
         return self
 
 
@@ -393,6 +397,14 @@ class _Metrics:
             except Exception:  # tensorboard is optional
                 self.tb = None
 
+    def truncate(self, step):
+        """Drop the rows after `step`."""
+        if self.enabled and self.path.exists():
+            with self.path.open(newline="") as fh:
+                rows = list(csv.reader(fh))
+            keep = [rows[0]] + [r for r in rows[1:] if int(r[0]) <= step]
+            _atomic_write(self.path, lambda p: p.write_text("".join(",".join(r) + "\n" for r in keep)))
+
     def log(self, step, row):
         if not self.enabled:
             return
@@ -411,12 +423,55 @@ class _Metrics:
                     self.tb.add_scalar(k, v, step)
 
 
+class TrainingStopped(RuntimeError):
+    """A run stopped on a fault (a non-finite loss); the message names the last good checkpoint."""
+
+
+# Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
+# the schedule's length, but extending a run is a deliberate choice).
+RESUMABLE_CHANGES = ("steps", "n_test", "eval_every", "ckpt_every", "keep_checkpoints", "log_every",
+                     "progress", "device", "compile", "out_dir", "backend")
+
+
+def _prepare_out_dir(out_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool, rank: int, world: int):
+    """A new run refuses a folder holding another run unless told to overwrite it; a resumed run
+    must keep every training field of the checkpoint's config."""
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+        return ckpt
+    held = [out_dir / n for n in ("checkpoints", "metrics.csv", "tensorboard", "tokenizer.json") if (out_dir / n).exists()]
+    if held and not overwrite:
+        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(p.name for p in held)}): "
+                         f"resume it (--resume), start over in it (--overwrite) or choose another out_dir")
+    if held and rank == 0:
+        for path in held:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if world > 1:
+        dist.barrier()
+    return None
+
+
+def _check_resumable(ckpt: Path, cfg: TrainConfig):
+    """The checkpoint's config must equal cfg (after build_task filled the model's data fields) in
+    every field a resumed run may not change."""
+    saved, now = json.loads((ckpt / "config.json").read_text()), cfg.to_dict()
+    diff = {k: (saved.get(k), v) for k, v in now.items()
+            if k not in RESUMABLE_CHANGES and k != "model" and saved.get(k) != v}
+    diff.update({f"model.{k}": (saved.get("model", {}).get(k), v) for k, v in now["model"].items()
+                 if saved.get("model", {}).get(k) != v})
+    if diff:
+        raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
+
+
 def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
-          stop_at: Optional[int] = None) -> Dict[str, float]:
+          stop_at: Optional[int] = None, overwrite: bool = False) -> Dict[str, float]:
     """Trains per cfg; returns the last evaluation's metrics plus the training rates.
 
     stop_at ends this call after that step with a checkpoint, as a pre-empted job would; a later
     call with resume=True continues to exactly the parameters of an uninterrupted run.
+    overwrite starts over in an out_dir that holds another run (otherwise that is an error).
 
     Under torchrun (WORLD_SIZE > 1) it runs DDP (NCCL on GPU, gloo on CPU); every rank draws the
     same global batch and takes its share of rows, and each rank's loss is divided by the global
@@ -435,8 +490,12 @@ def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
     if cfg.batch_size % world:
         raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world})")
 
+    out_dir = Path(cfg.out_dir)
+    ckpt = _prepare_out_dir(out_dir, cfg, resume, overwrite, rank, world)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg)
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg)
     model = build_model(cfg).to(device)
     if cfg.compile:
         # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
@@ -445,22 +504,12 @@ def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
             model.backward_encoder.compile()
     optimizer = _optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    out_dir = Path(cfg.out_dir)
-    start = 0
-    if resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            raise ValueError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
-        saved = json.loads((ckpt / "config.json").read_text())
-        if saved.get("model") != cfg.to_dict()["model"]:
-            diff = {k: (saved.get("model", {}).get(k), v) for k, v in cfg.to_dict()["model"].items()
-                    if saved.get("model", {}).get(k) != v}
-            raise ValueError(f"checkpoint {ckpt} was trained with another model config: {diff}")
-        start = load_checkpoint(ckpt, model, optimizer, scheduler)
+    start = 0 if ckpt is None else load_checkpoint(ckpt, model, optimizer, scheduler)
     ddp = DistributedDataParallel(model) if world > 1 else model
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     metrics = _Metrics(out_dir, rank == 0)
+    metrics.truncate(start)  # rows logged after the checkpoint we resume from are replayed
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
 
     bar = None
@@ -511,7 +560,7 @@ def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
             if not math.isfinite(mean_loss):
                 if bar is not None:
                     bar.close()
-                raise RuntimeError(f"training stopped: the loss became non-finite ({mean_loss}) by step {done}; "
+                raise TrainingStopped(f"training stopped: the loss became non-finite ({mean_loss}) by step {done}; "
                                    f"the last good checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
             dt = time.perf_counter() - t0
             row = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen * world / dt,

@@ -109,7 +109,7 @@ def test_half_precision_cpp(case, dtype):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_non_contiguous_inputs(backend):
     B, L, m, V = 3, 13, 7, 13
     g = torch.Generator().manual_seed(300)
@@ -154,7 +154,7 @@ def test_partly_frozen_head_backward(backend):
             assert rel_err(q.grad, ref[name]) < 1e-4, name
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "reference", "triton"])
 def test_nothing_requires_grad(backend):
     f, b, tokens, head = make_inputs(seed=460)
     head.requires_grad_(False)
@@ -164,7 +164,21 @@ def test_nothing_requires_grad(backend):
     assert rel_err(loss, ref) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
+def test_no_grad_computes_no_gradient(monkeypatch):
+    """Under torch.no_grad the torch backend must not differentiate its chunks (evaluation cost)."""
+    f, b, tokens, head = make_inputs(seed=471)
+    f.requires_grad_()
+    calls = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        belief_state_loss(f, b, tokens, head, backend="torch")
+    assert calls == []
+    belief_state_loss(f, b, tokens, head, backend="torch")
+    assert calls  # and with grad enabled it does
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "reference", "triton"])
 def test_no_grad(backend):
     f, b, tokens, head = make_inputs(seed=470, hidden=[11, 6], n_layers=3)
     f.requires_grad_()
@@ -178,7 +192,7 @@ def test_no_grad(backend):
     assert f.grad is None and all(q.grad is None for q in head.parameters())
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_padding_is_ignored(backend):
     """Positions beyond lengths[r] are never read: changing them (even to NaN) changes nothing,
     and their gradients are zero."""
