@@ -10,6 +10,9 @@ from ._pairs import Pairs
 @torch.library.register_fake("bst_fast::pair_loss")
 def _pair_loss_fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
                     row, i, j, weight, next_weight, activation, need_grad):
+    if not need_grad:  # the op returns empty gradients then
+        return (A.new_empty(()), A.new_empty(0), A.new_empty(0), [A.new_empty(0) for _ in weights],
+                [A.new_empty(0) for _ in biases])
     return (A.new_empty(()), torch.empty_like(A), torch.empty_like(Bm),
             [torch.empty_like(w) for w in weights], [torch.empty_like(c) for c in biases])
 
@@ -29,6 +32,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_):
     # The op computed its gradients in the forward pass; the chain rule only scales them.
     dA, dB, *rest = ctx.saved_tensors
+    if dA.numel() == 0:
+        raise RuntimeError("bst_fast::pair_loss ran with need_grad=False: it computed no gradient to return")
     n = ctx.n_layers
     return (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]],
             [grad_loss * c for c in rest[n:]]) + (None,) * 12

@@ -16,7 +16,8 @@ using PairLossResult =
 
 // The loss over pairs (i, j) with hidden state act(A[r, i] + Bm[r, j]) fed through the remaining
 // head layers `weights`/`biases` (SPEC §3), and, when need_grad, its gradients with respect to
-// A, Bm, weights and biases, all computed in one pass over tiles of pairs.
+// A, Bm, weights and biases, all computed in one pass over tiles of pairs (without need_grad the
+// gradients come back empty, shape (0,)).
 //   A, Bm:     (B, L, h1) float32: the split first layer, A = f W1f^T + c1, Bm = b W1b^T.
 //   weights:   (h2, h1), ..., (2V, h_last) float32; biases: (h2), ..., (2V).
 //   tokens:    (B, L) int64; lengths, prefix_start: (B,) int64.

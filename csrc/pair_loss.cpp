@@ -362,13 +362,21 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
     }
   });
 
-  // Reduce the per-thread sums once, in thread order.
+  // Reduce the per-thread sums once, in thread order, into the first thread's accumulators.
   double loss = 0.0;
+  for (const auto& s : acc) loss += s.loss;
+  if (!need_grad) {  // no gradient was computed: empty tensors say so (and cost no memory)
+    std::vector<at::Tensor> dW, dc;  // distinct tensors: outputs must not alias each other
+    for (int64_t k = 0; k < 2 * n_layers; ++k) (k < n_layers ? dW : dc).push_back(at::empty({0}, f32));
+    return {at::scalar_tensor(loss, f32), at::empty({0}, f32), at::empty({0}, f32), dW, dc};
+  }
   Accum out;
-  new_accum(out);
   for (auto& s : acc) {
-    loss += s.loss;
-    if (!need_grad || !s.dA.defined()) continue;
+    if (!s.dA.defined()) continue;
+    if (!out.dA.defined()) {
+      out = std::move(s);
+      continue;
+    }
     out.dA.add_(s.dA);
     out.dB.add_(s.dB);
     for (const auto k : c10::irange(n_layers)) {
@@ -376,14 +384,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       out.dc[k].add_(s.dc[k]);
     }
   }
-  if (!need_grad) {  // shapes stay those of the gradients, so the op's signature never changes
-    out.dA = at::zeros_like(A);
-    out.dB = at::zeros_like(Bm);
-    for (const auto k : c10::irange(n_layers)) {
-      out.dW.push_back(at::zeros_like(W[k]));
-      out.dc.push_back(at::zeros_like(c[k]));
-    }
-  }
+  if (!out.dA.defined()) new_accum(out);  // no pair at all: zero gradients
   return {at::scalar_tensor(loss, f32), out.dA, out.dB, out.dW, out.dc};
 }
 
