@@ -364,7 +364,7 @@ class _PairLoss(torch.autograd.Function):
         for l, (w, c) in enumerate(zip(weights[:-1], biases[:-1])):
             Wh[l, : w.shape[0], : w.shape[1]] = w.detach()
             ch[l, : c.shape[0]] = c.detach().float()
-        WL, cL = weights[-1].detach().contiguous(), biases[-1].detach().contiguous()
+        WL, cL = weights[-1].detach().to(dtype).contiguous(), biases[-1].detach().contiguous()
 
         if p.row is None:
             tiles = _tiles(p, L, BI, BJ)
@@ -431,16 +431,19 @@ class _PairLoss(torch.autograd.Function):
         return (gA, gB, None, None, None, None, None, None, None, *out)
 
 
-def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, deterministic: bool = False):
+def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, deterministic: bool = False,
+              compute_dtype=None):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), fused in Triton.
 
     f, b: (B, L, m) float32/float16/bfloat16; tokens: (B, L) int64; head: a TextHead in f's dtype;
-    p: the checked pair set; deterministic: bitwise-reproducible gradients (one program: slow).
+    p: the checked pair set; deterministic: bitwise-reproducible gradients (one program: slow);
+    compute_dtype: the dot operands' type (default f's dtype; bf16 under autocast for an fp32 model).
     Returns a 0-dim float32 loss.
     """
     A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) each
     params = [q for layer in head.layers[1:] for q in (layer.weight, layer.bias)]
     # Decided here, not in forward: inside forward grad mode is off and needs_input_grad ignores it.
     need = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *params))
-    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, f.dtype, bool(deterministic),
+    dtype = compute_dtype or f.dtype
+    return _PairLoss.apply(A, Bm, tokens, p, next_weight, head.activation, dtype, bool(deterministic),
                            need, *params)

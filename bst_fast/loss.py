@@ -97,6 +97,10 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     if f.dtype == torch.float64:
         raise ValueError(f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through 'torch' or 'reference'")
     # The fused engines choose their own precision (SPEC §6); autocast must not recast inside them.
+    # Under CUDA autocast the triton kernel takes the autocast dtype for its dot operands (fp32
+    # accumulation), as the materialised head would.
+    autocast_dtype = (torch.get_autocast_dtype("cuda")
+                      if f.is_cuda and torch.is_autocast_enabled("cuda") else None)
     with torch.autocast(device_type=f.device.type, enabled=False):
         if name == "cpp":
             from . import _ops
@@ -104,7 +108,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
             return _ops.pair_loss(f, b, tokens, head, p, next_weight)
         from . import _triton
 
-        return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=deterministic)
+        return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=deterministic,
+                                 compute_dtype=autocast_dtype)
 
 
 class BeliefStateLoss(nn.Module):

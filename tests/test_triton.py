@@ -272,3 +272,23 @@ def test_compiles_for_cuda_sm90():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_bf16_compute_for_an_fp32_model():
+    """What CUDA autocast selects: fp32 f, b and head, bf16 dot operands, fp32 accumulation. The
+    error is that of bf16 rounding of the hidden states and the last layer, not worse."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, torch.float32, CPU, n_layers=3)
+    p = _pairs.prepare(f, b, tokens, 19, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
+                       pairs=None, next_weight=0.5, reduction="mean", generator=None)
+    fr, br = f.clone().requires_grad_(), b.clone().requires_grad_()
+    out = _triton.pair_loss(fr, br, tokens, head, p, 0.5, compute_dtype=torch.bfloat16)
+    grads = torch.autograd.grad(out, [fr, br, *head.parameters()])
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    h64 = copy.deepcopy(head).double()
+    f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
+    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.5, 19)
+    ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
+    assert _rel(out, ref) < 2e-2
+    assert 1e-7 < _rel(out, ref)  # it really computed in bf16
+    for x, y in zip(grads, ref_g):
+        assert _rel(x, y) < 5e-2
