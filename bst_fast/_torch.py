@@ -1,6 +1,7 @@
 """The "torch" backend: any head module, pairs in chunks, gradients computed chunk by chunk in the forward.
 
-Memory is bounded by one chunk of pairs: each chunk's head graph is built, differentiated with
+Activation memory is bounded by one chunk of pairs (the pair index lists of a row are O(L^2)
+integers): each chunk's head graph is built, differentiated with
 torch.autograd.grad and freed before the next; f, b and parameter gradients are accumulated in
 float32 (float64 for float64 inputs) and only scaled by grad_output in backward.
 """

@@ -25,9 +25,3 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int)
     per_pair = next_weight * ce_next + (1.0 - next_weight) * ce_prev
     return (weight.to(acc) * per_pair).sum()
 
-
-def belief_state_loss(f, b, tokens, head, **options):
-    """The reference backend: `bst_fast.belief_state_loss(..., backend="reference")`."""
-    from .loss import belief_state_loss as loss
-
-    return loss(f, b, tokens, head, backend="reference", **options)

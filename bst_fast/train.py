@@ -268,9 +268,18 @@ class _TextTask:
 
 # ---------------------------------------------------------------- checkpoints
 
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, write):
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
 
 
@@ -290,6 +299,8 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
+        _fsync(path)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _atomic_write(root / "latest", lambda p: p.write_text(final.name))

@@ -457,16 +457,6 @@ def test_full_subsample_is_all_pairs(backend):
     assert torch.allclose(belief_state_loss(f, b, tokens, head, pairs=10_000, **opts), exact, rtol=1e-5)
 
 
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny calls: one thread, so that a busy machine (OpenMP waiting on a core another
-    process holds) does not make each call 50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_subsampled_estimate_is_unbiased(one_thread):
     """The mean of many pairs=0.2 estimates matches the all-pairs loss within 5 standard errors
     (seeded: deterministic), so does the mean gradient, and every pair is drawn with frequency

@@ -18,14 +18,8 @@ TINY = ROOT / "configs" / "tiny_test.yaml"
 EOS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These tests run many tiny ops; on a shared CPU, intra-op threads spin-wait for busy cores and
-    # make them 20x slower, so they run single-threaded (restored afterwards).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Many tiny ops: single-threaded (conftest's one_thread), or a shared CPU makes them 20x slower.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TableModel:

@@ -150,7 +150,6 @@ def test_unknown_backend_lists_the_choices(inputs):
     assert "backend" in msg and "'cuda'" in msg
     for name in BACKENDS:
         assert name in msg
-    assert set(BACKENDS) >= {"auto", "reference", "torch", "cpp", "triton"}
 
 
 def test_bad_head_output():

@@ -74,16 +74,6 @@ def test_op_gradients_are_exact():
         assert rel_err(g, w) < 1e-4, k
 
 
-@pytest.fixture
-def one_thread():
-    """gradcheck makes hundreds of tiny calls: one thread, so that a busy machine (OpenMP waiting
-    for a core another process holds) does not make each call many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("opts", [dict(), dict(lengths=torch.tensor([7, 4]), prefix_start=1, min_gap=3, next_weight=0.3,
                                                 reduction="sum"),
