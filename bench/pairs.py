@@ -116,7 +116,7 @@ def mm_rate(device, dtype, h, two_v):
 
 def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
     """The paper's objective with every pair materialised: reference.pair_loss on a given pair list."""
-    p = Pairs(lengths=None, prefix_start=None, min_gap=2, max_gap=0, counts=None, scale=scale,
+    p = Pairs(lengths=None, prefix_start=None, min_gap=2, max_gap=0, scale=scale,
               row=row, i=i, j=j, weight=scale.expand(row.shape))
     return reference.pair_loss(f, b, tokens, head, p, 0.5, vocab_size)
 

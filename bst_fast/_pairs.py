@@ -23,7 +23,6 @@ class Pairs:
     prefix_start: torch.Tensor  # (B,) int64
     min_gap: int
     max_gap: int  # already clipped to L: a pair never spans more than L - 1
-    counts: torch.Tensor  # (B,) int64: |P_r|
     scale: torch.Tensor  # () float64: the weight of every pair in the all-pairs case
     row: Optional[torch.Tensor] = None  # (n,) int64
     i: Optional[torch.Tensor] = None  # (n,) int64
@@ -172,7 +171,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if any_bad[3]:
             _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     prefix_start = prefix_start.clamp(max=L)
-    common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax, counts=counts)
+    common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax)
 
     if pairs is None:
         scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)

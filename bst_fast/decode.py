@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model import full_lengths
+
 
 def _ids(x) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.long).reshape(-1)
@@ -282,8 +284,7 @@ def belief_states(model, tokens, lengths=None):
     if tokens.dim() == 1:
         tokens = tokens[None]
     tokens = tokens.to(_device(model))
-    if lengths is None:
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+    lengths = full_lengths(tokens, lengths)
     f = model.forward_encoder(tokens)
     return f[torch.arange(len(f), device=f.device), torch.as_tensor(lengths, device=f.device) - 1]
 

@@ -90,6 +90,13 @@ class Encoder(nn.Module):
         return self.ln(x)
 
 
+def full_lengths(tokens, lengths=None):
+    """lengths, or every row's full length L when it is None: (B,) int64."""
+    if lengths is not None:
+        return lengths
+    return torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+
+
 def reverse_valid(tokens, lengths):
     """Each row's valid part reversed, padding kept at the end: out[r, t] = tokens[r, len_r - 1 - t]."""
     L = tokens.shape[1]
@@ -143,8 +150,7 @@ class BeliefStateTransformer(nn.Module):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
         if self.suffix_constant is not None:
             return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
-        if lengths is None:
-            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        lengths = full_lengths(tokens, lengths)
         rev, idx = reverse_valid(tokens, lengths)
         if self.backward_encoder is None:
             states = self.forward_encoder(rev, segment=1)
@@ -169,8 +175,7 @@ class BeliefStateTransformer(nn.Module):
                 generator=None, pair_total=None, token_total=None, backend="auto"):
         """Losses of a batch: dict(total, belief, gpt). pair_total / token_total replace the batch's own
         pair and token counts as the mean's divisor (set by the trainer so that ranks average exactly)."""
-        if lengths is None:
-            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        lengths = full_lengths(tokens, lengths)
         f = self.prefix_states(tokens)
         b = self.suffix_states(tokens, lengths)
         red = "mean" if pair_total is None else "sum"
@@ -204,8 +209,7 @@ class ForwardOnly(nn.Module):
         _init_weights(self)
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
-        if lengths is None:
-            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        lengths = full_lengths(tokens, lengths)
         loss = next_token_loss(self.lm_head, self.forward_encoder(tokens), tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
 
@@ -232,8 +236,7 @@ class Teacherless(ForwardOnly):
         return tokens.masked_fill((i > ps) & (i < lengths[:, None]), self.dummy_id)
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
-        if lengths is None:
-            lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+        lengths = full_lengths(tokens, lengths)
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}

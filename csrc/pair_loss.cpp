@@ -101,16 +101,14 @@ struct PairWalk {
 PairWalk all_pairs(const int64_t* len, const int64_t* start, int64_t B, int64_t min_gap,
                    int64_t max_gap) {
   PairWalk w;
-  // Callers clamp min_gap and max_gap to L and start to [0, len], so nothing below overflows.
   for (const auto r : c10::irange(B)) {
-    for (int64_t i = start[r]; i <= len[r] - 1 - min_gap; ++i) {
-      const int64_t last = std::min(i + max_gap, len[r] - 1);
+    for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t i, int64_t j0, int64_t n) {
       w.seg_r.push_back(r);
       w.seg_i.push_back(i);
-      w.seg_j0.push_back(i + min_gap);
+      w.seg_j0.push_back(j0);
       w.seg_start.push_back(w.total);
-      w.total += last - (i + min_gap) + 1;
-    }
+      w.total += n;
+    });
   }
   w.seg_start.push_back(w.total);
   return w;
@@ -174,9 +172,6 @@ void check_inputs(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weig
   }
 }
 
-// Gaps beyond L change no pair set (j - i <= L - 1); clamping them keeps every index sum small.
-int64_t clamp_gap(int64_t gap, int64_t L) { return std::min(gap, std::max<int64_t>(L, 2)); }
-
 }  // namespace
 
 PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
@@ -194,8 +189,6 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   TORCH_CHECK(next_weight >= 0.0 && next_weight <= 1.0, "next_weight must lie in [0, 1], got ",
               next_weight);
   const Act act = parse_activation(activation);
-  min_gap = clamp_gap(min_gap, A_in.size(1));
-  max_gap = clamp_gap(max_gap, A_in.size(1));
   const auto A = A_in.contiguous(), Bm = Bm_in.contiguous();
   const auto tokens = tokens_in.contiguous();
   const auto lengths = lengths_in.contiguous(), prefix_start = prefix_start_in.contiguous();
@@ -242,9 +235,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   } else {
     TORCH_CHECK(weight.dim() == 0, "weight must be a 0-dim scale for all pairs, got ",
                 weight.sizes());
-    std::vector<int64_t> start(B);
-    for (const auto r : c10::irange(B)) start[r] = std::min(prefix_start.data_ptr<int64_t>()[r], len[r]);
-    walk = all_pairs(len, start.data(), B, min_gap, max_gap);
+    walk = all_pairs(len, prefix_start.data_ptr<int64_t>(), B, min_gap, max_gap);
   }
   for (const auto r : c10::irange(B)) {
     for (const auto t : c10::irange(len[r])) {

@@ -42,22 +42,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
   const int64_t* kk = k.data_ptr<int64_t>();
 
   std::vector<int64_t> out_r, out_i, out_j;
-  std::vector<int64_t> first;  // first flat index of each prefix i in this row
+  std::vector<int64_t> first, first_i, first_j;  // per prefix of the row: flat index, i, first j
   std::vector<char> chosen;
   for (const auto r : c10::irange(B)) {
     TORCH_CHECK(len[r] >= 0, "lengths[", r, "] must be >= 0, got ", len[r]);
     TORCH_CHECK(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
-    // Count the row's pairs prefix by prefix (SPEC §2).
-    // Gaps beyond the row's length change nothing; clamping them keeps index sums from overflowing.
-    const int64_t gmin = std::min(min_gap, std::max<int64_t>(len[r], 2));
-    const int64_t gmax = std::min(max_gap, std::max<int64_t>(len[r], 2));
-    first.clear();
+    // The row's prefixes, their first suffix and first flat index.
+    first.clear(), first_i.clear(), first_j.clear();
     int64_t n = 0;
-    const int64_t i0 = std::min(start[r], len[r]);
-    for (int64_t i = i0; i <= len[r] - 1 - gmin; ++i) {
-      first.push_back(n);
-      n += std::min(i + gmax, len[r] - 1) - (i + gmin) + 1;
-    }
+    for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t i, int64_t j0, int64_t count) {
+      first.push_back(n), first_i.push_back(i), first_j.push_back(j0);
+      n += count;
+    });
     TORCH_CHECK(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
     if (kk[r] == 0) continue;
     std::mt19937_64 gen(splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(static_cast<uint64_t>(r))));
@@ -70,10 +66,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
     for (int64_t p = 0; p < n; ++p) {
       if (!chosen[p]) continue;
       while (s + 1 < static_cast<int64_t>(first.size()) && first[s + 1] <= p) ++s;
-      const int64_t i = i0 + s;
       out_r.push_back(r);
-      out_i.push_back(i);
-      out_j.push_back(i + gmin + (p - first[s]));
+      out_i.push_back(first_i[s]);
+      out_j.push_back(first_j[s] + (p - first[s]));
     }
   }
   auto to_tensor = [](const std::vector<int64_t>& v) {

@@ -362,13 +362,18 @@ def test_pair_count_through_reductions(backend):
     assert abs(total.item() / mean.item() - n_pairs) < 1e-3 * n_pairs
 
 
+def random_pair_spec(g, B, L, max_start, max_min_gap):
+    """Random lengths in [0, L], prefix_start in [0, max_start], min_gap in [2, max_min_gap]."""
+    lengths = torch.randint(0, L + 1, (B,), generator=g)
+    prefix_start = torch.randint(0, max_start + 1, (B,), generator=g)
+    return lengths, prefix_start, int(torch.randint(2, max_min_gap + 1, (), generator=g))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_pair_set_matches_spec(seed):
     g = torch.Generator().manual_seed(610 + seed)
     B, L = 5, 15
-    lengths = torch.randint(0, L + 1, (B,), generator=g)
-    prefix_start = torch.randint(0, 6, (B,), generator=g)
-    min_gap = int(torch.randint(2, 5, (), generator=g))
+    lengths, prefix_start, min_gap = random_pair_spec(g, B, L, max_start=5, max_min_gap=4)
     max_gap = None if seed % 2 else min_gap + int(torch.randint(0, 6, (), generator=g))
     gmax = L if max_gap is None else min(max_gap, L)
     mask = _pairs.pair_mask(lengths, prefix_start, min_gap, gmax, L)
@@ -390,9 +395,7 @@ def _sample(lengths, prefix_start, min_gap, max_gap, k, seed):
 def test_sampler_valid_distinct_sorted_exact_count(seed):
     g = torch.Generator().manual_seed(700 + seed)
     B, L = 6, 23
-    lengths = torch.randint(0, L + 1, (B,), generator=g)
-    prefix_start = torch.randint(0, 5, (B,), generator=g)
-    min_gap = int(torch.randint(2, 4, (), generator=g))
+    lengths, prefix_start, min_gap = random_pair_spec(g, B, L, max_start=4, max_min_gap=3)
     max_gap = L if seed % 2 else min_gap + 5
     counts = _pairs.pair_counts(lengths, prefix_start, min_gap, max_gap, L)
     k = (torch.rand(B, generator=g) * (counts + 1).double()).long().clamp(max=counts)
