@@ -30,13 +30,17 @@ class Pairs:
     weight: Optional[torch.Tensor] = None  # (n,) float64; backends cast to their accumulation dtype
 
 
-def pair_counts(lengths, prefix_start, min_gap, max_gap, L):
-    """|P_r| for every row, without enumerating the pairs: sum over i of the valid j's."""
+def prefix_counts(lengths, prefix_start, min_gap, max_gap, L):
+    """(B, L): the number of valid j's of each prefix (r, i); its valid j's are i + min_gap onwards."""
     i = torch.arange(L, device=lengths.device)  # (L,)
     last = torch.minimum(i[None] + max_gap, lengths[:, None] - 1)  # (B, L): highest valid j
     n_j = (last - i[None] - min_gap + 1).clamp(min=0)
-    n_j = n_j * (i[None] >= prefix_start[:, None])
-    return n_j.sum(1)
+    return n_j * (i[None] >= prefix_start[:, None])
+
+
+def pair_counts(lengths, prefix_start, min_gap, max_gap, L):
+    """|P_r| for every row, without enumerating the pairs: sum over i of the valid j's."""
+    return prefix_counts(lengths, prefix_start, min_gap, max_gap, L).sum(1)
 
 
 def pair_mask(lengths, prefix_start, min_gap, max_gap, L):

@@ -25,6 +25,19 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
+def activation_grad(name: str, grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """grad * act'(z): the backward of `activation` by name, through autograd's own kernels."""
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, z, 0)
+    if name == "leaky_relu":
+        return torch.ops.aten.leaky_relu_backward(grad, z, 0.01, False)
+    if name in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, z, approximate="none" if name == "gelu" else "tanh")
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, z)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
 class TextHead(nn.Module):
     """Linear(2m, h_1) -> act -> ... -> Linear(h_{n-1}, 2V); the Next and Prev heads share all but the last layer.
 

@@ -6,10 +6,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _pairs, _torch, reference
+from . import _pairs
+from .backends import REGISTRY, pick
 from .head import TextHead
 
-BACKENDS = ("auto", "reference", "torch", "cpp", "triton")
+BACKENDS = ("auto",) + tuple(REGISTRY)
 
 
 def _vocab_size(head, m, device, dtype):
@@ -28,16 +29,6 @@ def _vocab_size(head, m, device, dtype):
     if out.dim() != 2 or out.shape[-1] % 2:
         raise ValueError(f"head must map (..., 2m) to (..., 2V), got an output of shape {tuple(out.shape)}")
     return out.shape[-1] // 2
-
-
-def _pick_backend(backend, f, head):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    if not isinstance(head, TextHead) or f.dtype == torch.float64:
-        return "torch"  # the fused engines take TextHead in float32/16/bf16 only
-    return "triton" if f.is_cuda else "cpp"
 
 
 def _check_head(head, f):
@@ -72,9 +63,10 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
         reduction: "mean" (divide by |P|) or "sum".
         generator: the torch.Generator the subsample is drawn from.
-        backend: "auto", "reference", "torch", "cpp" or "triton".
-        deterministic: bitwise-reproducible results from the triton backend (slower); the cpp
-            backend is always reproducible for a fixed thread count.
+        backend: "auto" (chunked on a GPU, cpp on the CPU, torch for other heads or float64),
+            "reference", "torch", "cpp", "chunked" or "triton" (see bst_fast.backends).
+        deterministic: bitwise-reproducible results from the triton backend (slower); chunked is
+            always reproducible (no atomics), cpp for a fixed thread count.
 
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
@@ -82,34 +74,22 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     if not torch.is_tensor(f):
         raise ValueError(f"f must be a (B, L, m) tensor, got {type(f).__name__}")
     _check_head(head, f)
-    name = _pick_backend(backend, f, head)
+    chosen = pick(backend, head, f)
     V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, op_checks=name == "cpp")
+                       generator=generator, op_checks=chosen.name == "cpp")
     tokens = tokens.long()
-    if name == "reference":
-        return reference.pair_loss(f, b, tokens, head, p, next_weight, V)
-    if name == "torch":
-        return _torch.pair_loss(f, b, tokens, head, p, next_weight, V)
-    if not isinstance(head, TextHead):
-        raise ValueError(f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}")
-    if f.dtype == torch.float64:
-        raise ValueError(f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through 'torch' or 'reference'")
+    if chosen.name in ("reference", "torch"):
+        return chosen.run(f, b, tokens, head, p, next_weight, V, {})
     # The fused engines choose their own precision (SPEC §6); autocast must not recast inside them.
-    # Under CUDA autocast the triton kernel takes the autocast dtype for its dot operands (fp32
+    # Under CUDA autocast the GPU kernels take the autocast dtype for their matrix operands (fp32
     # accumulation), as the materialised head would.
     autocast_dtype = (torch.get_autocast_dtype("cuda")
                       if f.is_cuda and torch.is_autocast_enabled("cuda") else None)
     with torch.autocast(device_type=f.device.type, enabled=False):
-        if name == "cpp":
-            from . import _ops
-
-            return _ops.pair_loss(f, b, tokens, head, p, next_weight)
-        from . import _triton
-
-        return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=deterministic,
-                                 compute_dtype=autocast_dtype)
+        return chosen.run(f, b, tokens, head, p, next_weight, V,
+                          dict(deterministic=bool(deterministic), compute_dtype=autocast_dtype))
 
 
 class BeliefStateLoss(nn.Module):

@@ -1,0 +1,107 @@
+"""The backends of belief_state_loss behind one interface, and the registry the public function
+dispatches through.
+
+Every backend is called as `run(f, b, tokens, head, p, next_weight, vocab_size, options)` with the
+checked pair set `p` (`_pairs.Pairs`) and `options` holding `deterministic` and `compute_dtype`
+(the autocast dtype for an fp32 model, or None); it returns the 0-dim loss with autograd attached.
+`unsupported(head, f)` says why a backend cannot take an input (None if it can).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..head import TextHead
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    run: Callable
+    unsupported: Callable  # (head, f) -> Optional[str]
+    doc: str
+
+
+def _any(head, f) -> Optional[str]:
+    return None
+
+
+def _fused(name):
+    def unsupported(head, f):
+        if not isinstance(head, TextHead):
+            return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
+        if f.dtype == torch.float64:
+            return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
+                    "'torch' or 'reference'")
+        return None
+    return unsupported
+
+
+def _gpu(name):
+    fused = _fused(name)
+
+    def unsupported(head, f):
+        # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
+        import os
+        if not f.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"backend={name!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
+                    "use backend='cpp' on the CPU")
+        return fused(head, f)
+    return unsupported
+
+
+def _reference(f, b, tokens, head, p, next_weight, V, options):
+    from .. import reference
+    return reference.pair_loss(f, b, tokens, head, p, next_weight, V)
+
+
+def _torch(f, b, tokens, head, p, next_weight, V, options):
+    from .. import _torch
+    return _torch.pair_loss(f, b, tokens, head, p, next_weight, V)
+
+
+def _cpp(f, b, tokens, head, p, next_weight, V, options):
+    from .. import _ops
+    return _ops.pair_loss(f, b, tokens, head, p, next_weight)
+
+
+def _triton(f, b, tokens, head, p, next_weight, V, options):
+    from .. import _triton
+    return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=options["deterministic"],
+                             compute_dtype=options["compute_dtype"])
+
+
+def _chunked(f, b, tokens, head, p, next_weight, V, options):
+    from . import chunked
+    return chunked.pair_loss(f, b, tokens, head, p, next_weight, compute_dtype=options["compute_dtype"])
+
+
+REGISTRY = {
+    x.name: x
+    for x in (
+        Backend("reference", _reference, _any, "every pair materialised, plain autograd (the executable spec)"),
+        Backend("torch", _torch, _any, "any head module, pairs in chunks through torch autograd"),
+        Backend("cpp", _cpp, _fused("cpp"), "the C++ pair-tile engine (CPU)"),
+        Backend("chunked", _chunked, _gpu("chunked"),
+                "GPU: chunks of pairs, cuBLAS GEMMs with Triton gather, cross-entropy and reduction kernels"),
+        Backend("triton", _triton, _gpu("triton"), "GPU: one fused Triton kernel per call (pair tiles, atomics)"),
+    )
+}
+
+
+def pick(backend: str, head, f) -> Backend:
+    """The named backend, or for "auto" the fastest one that takes this head, dtype and device."""
+    if backend == "auto":
+        order = ("chunked", "torch") if f.is_cuda else ("cpp", "torch")
+        for name in order:
+            if REGISTRY[name].unsupported(head, f) is None:
+                return REGISTRY[name]
+    if backend not in REGISTRY:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(REGISTRY)}, got {backend!r}")
+    chosen = REGISTRY[backend]
+    why = chosen.unsupported(head, f)
+    if why is not None:
+        raise ValueError(why)
+    return chosen

@@ -1,0 +1,221 @@
+"""The "chunked" GPU backend: all pairs in chunks of tens of thousands, the head's matrix products on
+the tensor cores (cuBLAS through torch), the per-pair work in Triton kernels (SPEC §3-§4).
+
+Per chunk of n pairs (slots [s0, s0 + n) of the sorted pair list, see `PairList`), with es the
+bytes of the compute dtype, h the hidden widths (h1 first, hL last) and V the vocabulary:
+
+    H1 = act(A_ia + B_ib)                 pair_hidden_kernel         write n*h1*es
+    Z_k = H_{k-1} W_k^T + c_k, H_k = act  cuBLAS + torch            2*n*h^2 FLOPs per hidden layer
+    Z = H_L W_L^T + c_L   (n, 2V)         cuBLAS                    2*n*hL*2V FLOPs
+    loss, Z <- dz in place                pair_cross_entropy_kernel  read + write n*2V*es
+    dc_L += colsum(dz)                    torch (float32 sum)        read n*2V*es
+    dW_L += dz^T H_L   (float32 output)   cuBLAS                    2*n*hL*2V FLOPs
+    dH_L = dz W_L                         cuBLAS                    2*n*hL*2V FLOPs
+    hidden layers back (dZ_k, dW_k, dc_k, dH_{k-1}), as above
+    dA, dB += segment sums of dH1*act'(z1)  prefix/suffix_grad_kernel  read 2*n*h1*es + L2 gathers
+
+So 6*n*hL*2V FLOPs in three large GEMMs (M = n, the chunk), about 4*n*2V*es bytes of logits traffic,
+no atomics anywhere (every sum has one owner and a fixed order: bitwise reproducible), and memory
+bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
+
+The loss is the graph's last node, so the forward computes every gradient and the backward only
+scales by grad_output (as the cpp backend does): no logits are recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+import triton
+
+from .._pairs import Pairs, prefix_counts
+from ..head import activation, activation_grad
+from ..kernels.activation import ACT, interpreted_bf16
+from ..kernels.cross_entropy import pair_cross_entropy_kernel
+from ..kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
+from .configs import chunk_config
+
+
+@dataclass
+class PairList:
+    """A batch's pairs as flat positions, sorted by (ia, ib), with their segments and chunk schedule.
+
+    ia = row * L + i indexes A (and the Next label tokens[ia + 1]); ib = row * L + j indexes B (and
+    the Prev label tokens[ib - 1]). Prefix segment a is the run of slots with ia = a (slots
+    pre_off[a] .. pre_off[a + 1]); suffix segment c is perm[suf_off[c] .. suf_off[c + 1]], the slots
+    with ib = c in increasing order.
+    """
+
+    ia: torch.Tensor  # (n,) int32
+    ib: torch.Tensor  # (n,) int32
+    w: torch.Tensor  # (n,) float32 pair weights / wscale, or (1,) read with stride 0 (all pairs)
+    w_stride: int
+    wscale: torch.Tensor  # () float32: the largest pair weight; dz is computed in its units
+    perm: torch.Tensor  # (n,) int32
+    pre_off: torch.Tensor  # (B*L + 1,) int64
+    suf_off: torch.Tensor  # (B*L + 1,) int64
+    # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
+    chunks: List[Tuple[int, int, int, int, int, int]]
+
+
+def _exclusive_cumsum(counts):
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
+    """Sort the pair set into a PairList cut into chunks of `chunk` slots: all on the device, two
+    host synchronisations (the pair count, then the chunk table)."""
+    dev = p.lengths.device
+    BL = B * L
+    if p.row is None:
+        counts = prefix_counts(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).reshape(-1)  # (B*L,)
+        total = int(counts.sum())
+        pre_off = _exclusive_cumsum(counts)
+        ia = torch.repeat_interleave(torch.arange(BL, device=dev), counts, output_size=total)
+        # the k-th pair of prefix (r, i) has j = i + min_gap + k
+        ib = ia + p.min_gap + (torch.arange(total, device=dev) - pre_off[ia])
+        w = torch.ones(1, dtype=torch.float32, device=dev)
+        w_stride, wscale = 0, p.scale.float()
+    else:
+        ia = p.row * L + p.i
+        ib = p.row * L + p.j
+        order = torch.sort(ia * BL + ib, stable=True).indices
+        ia, ib = ia[order], ib[order]
+        total = ia.numel()
+        pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
+        wscale = p.weight.max().float()
+        w = (p.weight[order] / p.weight.max()).float()
+        w_stride = 1
+    perm = torch.sort(ib * BL + ia, stable=True).indices
+    suf_off = _exclusive_cumsum(torch.bincount(ib, minlength=BL))
+
+    n_chunks = triton.cdiv(total, chunk)
+    s0 = torch.arange(n_chunks, device=dev) * chunk
+    s1 = torch.clamp(s0 + chunk, max=total)
+    # prefix segments a with pre_off[a] < s1 and pre_off[a + 1] > s0 form one range
+    pre_lo = torch.searchsorted(pre_off[1:], s0, right=True)
+    pre_hi = torch.searchsorted(pre_off[:-1], s1, right=False)
+    # suffix segments met by a chunk: between its smallest and largest ib
+    pad = n_chunks * chunk - total
+    ib_pad = torch.cat([ib, ib.new_full((pad,), BL)]).reshape(n_chunks, chunk)
+    suf_lo = ib_pad.amin(1)
+    suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
+    table = torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).cpu().tolist()
+    return PairList(ia=ia.int(), ib=ib.int(), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
+                    perm=perm.int(), pre_off=pre_off, suf_off=suf_off,
+                    chunks=[tuple(int(x) for x in row) for row in table])
+
+
+def _mm_f32(a, b):
+    """a @ b with a float32 result: accumulated and returned in float32, also for bf16/fp16 operands."""
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: round once, then add
+            return (a @ b).float()
+    return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
+
+
+def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype):
+    """Loss and (need) float32 gradients of A, B and every later layer, chunk by chunk.
+
+    A, Bm: (B, L, h1) float32; tokens (B, L) int64; weights/biases: the layers after the first, in
+    the compute dtype `dtype` (the last one (2V, hL)). Returns (loss, dA, dB, dW list, dc list)."""
+    dev = A.device
+    h1 = A.shape[-1]
+    V = weights[-1].shape[0] // 2
+    cfg = chunk_config(dev.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
+    up = interpreted_bf16(dtype)
+    act_id = ACT[act_name]
+    tok = tokens.reshape(-1)
+    A, Bm = A.contiguous(), Bm.contiguous()
+    f32 = dict(dtype=torch.float32, device=dev)
+    dA = torch.zeros(A.shape, **f32) if need else None
+    dB = torch.zeros(Bm.shape, **f32) if need else None
+    dW = [torch.zeros(w.shape, **f32) for w in weights] if need else []
+    dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
+    loss = torch.zeros((), **f32)
+    loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), **f32)
+    BK = cfg["BK"]
+    for s0, n, pre_lo, pre_hi, suf_lo, suf_hi in pl.chunks:
+        H = torch.empty(n, h1, dtype=dtype, device=dev)
+        pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h1, BK))](
+            A, Bm, pl.ia, pl.ib, H, s0, n, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up)
+        Hs, Zs = [H], []
+        for w, c in zip(weights[:-1], biases[:-1]):
+            Zs.append(torch.addmm(c, Hs[-1], w.t()))
+            Hs.append(activation(act_name, Zs[-1]))
+        Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
+        pair_cross_entropy_kernel[(n,)](
+            Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, float(lam),
+            NEED_GRAD=need, BV=cfg["BV"], UP=up, num_warps=cfg["ce_warps"])
+        loss += loss_rows[:n].sum()
+        if not need:
+            continue
+        dH = Z
+        for k in range(len(weights) - 1, -1, -1):
+            if k < len(weights) - 1:
+                dH = activation_grad(act_name, dH, Zs[k])  # dZ of hidden layer k + 2
+            dc[k] += dH.sum(0, dtype=torch.float32)
+            dW[k] += _mm_f32(dH.t(), Hs[k])
+            dH = dH @ weights[k]
+        del Z, Zs, Hs
+        if pre_hi > pre_lo:
+            prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(h1, BK))](
+                dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h1, ACT=act_id, BS=cfg["BS"], BK=BK)
+        if suf_hi > suf_lo:
+            suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(h1, BK))](
+                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, ACT=act_id, BS=cfg["BS"], BK=BK)
+    # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply back
+    s = pl.wscale
+    if need:
+        dA.mul_(s)
+        dB.mul_(s)
+        for g in dW + dc:
+            g.mul_(s)
+    return loss * s, dA, dB, dW, dc
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """loss(A, B, later layers): the forward computes every gradient, the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, A, Bm, tokens, p, lam, act_name, dtype, need, *params):
+        Bn, L, _ = A.shape
+        weights = [w.detach().to(dtype).contiguous() for w in params[0::2]]
+        biases = [c.detach().to(dtype).contiguous() for c in params[1::2]]
+        V = weights[-1].shape[0] // 2
+        cfg = chunk_config(A.device.type, V, [A.shape[-1]] + [w.shape[0] for w in weights[:-1]], dtype)
+        pl = pair_list(p, Bn, L, cfg["chunk"])
+        loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, weights, biases, act_name, lam, need, dtype)
+        ctx.need = need
+        ctx.dtypes = [q.dtype for q in params]
+        if need:
+            ctx.save_for_backward(dA, dB, *[g for pair in zip(dW, dc) for g in pair])
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if not ctx.need:
+            return (None,) * (8 + len(ctx.dtypes))
+        dA, dB, *gp = ctx.saved_tensors
+        gA = grad_loss * dA if ctx.needs_input_grad[0] else None
+        gB = grad_loss * dB if ctx.needs_input_grad[1] else None
+        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[8:])]
+        return (gA, gB, None, None, None, None, None, None, *out)
+
+
+def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=None):
+    """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), chunk by chunk.
+
+    f, b: (B, L, m) float32/float16/bfloat16; tokens: (B, L) int64; head: a TextHead in f's dtype;
+    compute_dtype: the matrix products' operand type (default f's dtype; bf16 under autocast for an
+    fp32 model). Returns a 0-dim float32 loss."""
+    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
+    params = [q for layer in head.layers[1:] for q in (layer.weight, layer.bias)]
+    # Decided here, not in forward: inside forward grad mode is off and needs_input_grad ignores it.
+    need = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *params))
+    return _ChunkedLoss.apply(A, Bm, tokens, p, next_weight, head.activation, compute_dtype or f.dtype, need, *params)

@@ -1,0 +1,1 @@
+"""Triton kernels of the GPU backends, one file per kernel family (run on the CPU under TRITON_INTERPRET=1)."""

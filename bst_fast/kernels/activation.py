@@ -1,0 +1,71 @@
+"""The head's activations (SPEC §3) and their derivatives as Triton device functions, plus the
+bf16 helpers every kernel of the package shares.
+
+The index of each activation is its position in `_pairs.ACTIVATIONS`; torch's side of the same
+table is `head.activation` / `head.activation_grad`, the C++ one `csrc/pair_loss.cpp`.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._pairs import ACTIVATIONS
+
+ACT = {name: k for k, name in enumerate(ACTIVATIONS)}
+
+
+def interpreted_bf16(dtype) -> bool:
+    """True when a bf16 kernel runs under the CPU interpreter, whose bf16 dot is wrong and whose
+    float32 -> bf16 cast truncates (Triton 3.9): kernels then upcast and round by hand (UP=1)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def act(z, ACT: tl.constexpr):
+    # act(z) in float32; every activation has act(0) = 0, so zero-padded hidden units stay zero.
+    if ACT == 0:
+        return tl.maximum(z, 0.0)
+    elif ACT == 1:
+        return tl.where(z > 0, z, 0.01 * z)
+    elif ACT == 2:
+        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif ACT == 3:
+        # tanh(u) = 1 - 2 / (1 + e^{2u}); the clamp keeps e^{2u} finite (tanh is 1 there to float32)
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
+        return 0.5 * z * (1.0 + t)
+    else:
+        return z / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+
+
+@triton.jit
+def act_grad(z, ACT: tl.constexpr):
+    # d act / dz in float32 (relu'(0) = 0, as autograd has it).
+    if ACT == 0:
+        return tl.where(z > 0, 1.0, 0.0)
+    elif ACT == 1:
+        return tl.where(z > 0, 1.0, 0.01)
+    elif ACT == 2:
+        # 0.5 (1 + erf(z / sqrt 2)) + z * phi(z), phi the standard normal density
+        return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACT == 3:
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+    else:
+        s = 1.0 / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+        return s * (1.0 + z * (1.0 - s))
+
+
+@triton.jit
+def cast(x, DT: tl.constexpr, UP: tl.constexpr):
+    # x (float32) as type DT. Under UP (interpreter, bfloat16) the value stays float32 and is
+    # rounded to bfloat16 by hand, round-to-nearest-even as on the GPU: the interpreter's own
+    # float32 -> bfloat16 cast truncates. Storing the result into a bfloat16 buffer is then exact.
+    if UP:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    return x.to(DT)

@@ -1,0 +1,55 @@
+"""The two-half cross-entropy of a chunk of pairs over its logits, with the gradient written in place.
+
+Row r of Z holds one pair's 2V logits, Next first. With w the pair's weight, lam = next_weight,
+y_n = tokens[ia + 1] (the token after the prefix) and y_p = tokens[ib - 1] (the one before the
+suffix):
+
+    loss[r] = w * (lam * (lse(Z[r, :V]) - Z[r, y_n]) + (1 - lam) * (lse(Z[r, V:]) - Z[r, V + y_p]))
+    Z[r, :V] <- w * lam * (softmax(Z[r, :V]) - onehot(y_n))          (NEED_GRAD only)
+    Z[r, V:] <- w * (1 - lam) * (softmax(Z[r, V:]) - onehot(y_p))
+
+One program per row; each half is two passes over V in blocks of BV: an online max / sum of
+exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
+is still in L1/L2. Cost per pair: read 2V * es, write 2V * es (gradient), about 8V exp/FMA, no
+atomics. The logsumexp is float32 whatever the logits' dtype (SPEC §6).
+"""
+import triton
+import triton.language as tl
+
+from .activation import cast
+
+
+@triton.jit
+def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam,
+                              NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = Z + r * 2 * V
+    w = tl.load(W + (s0 + r) * w_stride)
+    total = 0.0
+    for half in tl.static_range(2):
+        if half == 0:
+            y = tl.load(tok + tl.load(ia + s0 + r).to(tl.int64) + 1)
+            cw = w * lam
+        else:
+            y = tl.load(tok + tl.load(ib + s0 + r).to(tl.int64) - 1)
+            cw = w * (1.0 - lam)
+        zr = row + half * V
+        mx = -float("inf")
+        se = 0.0
+        for vb in range(0, V, BV):
+            col = vb + tl.arange(0, BV)
+            z = tl.load(zr + col, mask=col < V, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(mx, tl.max(z, axis=0))
+            se = se * tl.exp(mx - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            mx = m_new
+        lse = mx + tl.log(se)
+        zy = tl.load(zr + y).to(tl.float32)
+        total += cw * (lse - zy)
+        if NEED_GRAD:
+            for vb in range(0, V, BV):
+                col = vb + tl.arange(0, BV)
+                cm = col < V
+                z = tl.load(zr + col, mask=cm, other=0.0).to(tl.float32)
+                d = cw * (tl.exp(z - lse) - tl.where(col == y, 1.0, 0.0))
+                tl.store(zr + col, cast(d, Z.dtype.element_ty, UP), mask=cm)
+    tl.store(loss + r, total)

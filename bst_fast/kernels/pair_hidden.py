@@ -1,0 +1,87 @@
+"""The split first layer over a chunk of pairs: H = act(A_ia + B_ib) forward, dA / dB backward.
+
+A pair list is sorted by (ia, ib), ia = row * L + i and ib = row * L + j (flat positions of A and
+B). A chunk is the slot range [s0, s0 + n) of that list. With dH the chunk's gradient at H:
+
+    dz1[s] = dH[s] * act'(A[ia[s]] + B[ib[s]])
+    dA[a] += sum over slots s of the chunk with ia[s] = a  of dz1[s]     (prefix segments)
+    dB[c] += sum over slots s of the chunk with ib[s] = c  of dz1[s]     (suffix segments)
+
+Prefix segments are contiguous runs of the list. Suffix segments are runs of `perm`, the list's
+slots sorted by (ib, ia); within one, slots increase, so a chunk's part of it is a sub-run that the
+kernel finds by masking. One program owns one segment and one block of hidden units: it sums in a
+fixed order and adds into dA / dB without atomics, so results are bitwise reproducible (chunks run
+one after another on the stream).
+
+Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtype):
+- forward: 2 float32 reads of A, B rows (L2 hits: consecutive slots share ia, and a chunk's B rows
+  fit in L2), one es write of H; no FLOPs worth counting next to the GEMMs.
+- backward: each reduction reads dH (es) and recomputes z1 (two float32 reads, mostly L2): about
+  2 * (es + 8) bytes; the sums are in float32 registers, one read-add-write of dA / dB per segment
+  and chunk. No atomics.
+"""
+import triton
+import triton.language as tl
+
+from .activation import act, act_grad, cast
+
+
+@triton.jit
+def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h,
+                       ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UP: tl.constexpr):
+    # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, in H's dtype.
+    r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    rm = r < n
+    m2 = rm[:, None] & (k[None, :] < h)
+    a = tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) * h
+    b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * h
+    z = tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0) + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0)
+    tl.store(H + r[:, None] * h + k[None, :], cast(act(z, ACT), H.dtype.element_ty, UP), mask=m2)
+
+
+@triton.jit
+def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
+                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
+    g = seg_lo + tl.program_id(0)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    km = k < h
+    a = g.to(tl.int64)
+    lo = tl.maximum(tl.load(seg_off + g), s0)
+    hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
+    za = tl.load(A + a * h + k, mask=km, other=0.0)
+    acc = tl.zeros((BK,), dtype=tl.float32)
+    for s in range(lo, hi, BS):
+        q = s + tl.arange(0, BS)
+        qm = q < hi
+        m2 = qm[:, None] & km[None, :]
+        b = tl.load(ib + q, mask=qm, other=0).to(tl.int64) * h
+        z = za[None, :] + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0)
+        d = tl.load(dH + (q - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+    tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + acc, mask=km)
+
+
+@triton.jit
+def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h,
+                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]].
+    g = seg_lo + tl.program_id(0)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    km = k < h
+    c = g.to(tl.int64)
+    lo = tl.load(seg_off + g)
+    hi = tl.load(seg_off + g + 1)
+    zb = tl.load(Bm + c * h + k, mask=km, other=0.0)
+    acc = tl.zeros((BK,), dtype=tl.float32)
+    for s in range(lo, hi, BS):
+        q = s + tl.arange(0, BS)
+        slot = tl.load(perm + q, mask=q < hi, other=-1)
+        qm = (slot >= s0) & (slot < s0 + n)  # this chunk's part of the segment
+        m2 = qm[:, None] & km[None, :]
+        a = tl.load(ia + slot, mask=qm, other=0).to(tl.int64) * h
+        z = zb[None, :] + tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0)
+        d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+    tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + acc, mask=km)
