@@ -1,8 +1,10 @@
-"""Builds bst_fast and its C++ extension bst_fast._C (the CPU pair-tile engine)."""
+"""The C++ extension bst_fast._C (the CPU pair-tile engine); the package's metadata, dependencies
+and console script are in pyproject.toml. Built against the installed torch:
+`pip install --no-build-isolation -e .`."""
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # -march=native: the extension is built where it runs (pip install -e .); BST_FAST_PORTABLE=1
@@ -12,10 +14,6 @@ if os.environ.get("BST_FAST_PORTABLE", "0") != "1":
     flags.append("-march=native")
 
 setup(
-    name="bst_fast",
-    version="0.1.0",
-    description="Belief State Transformer training with a fused all-pairs objective",
-    packages=find_packages(include=["bst_fast", "bst_fast.*"]),
     ext_modules=[
         CppExtension(
             "bst_fast._C",
@@ -25,5 +23,4 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.9",
 )

@@ -1,4 +1,4 @@
-"""Command line: `python -m bst_fast train | star | table | generate | probe ...`.
+"""Command line: `bst-fast train | star | table | generate | probe ...` (or `python -m bst_fast ...`).
 
 train: one model; star: BST vs forward-only; table: every star-graph method and ablation, the
 paper's path-accuracy table; generate: decode from a checkpoint (sampling, Algorithm 1 planning,
@@ -16,37 +16,32 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _apply_sets(cfg, sets):
-    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work)."""
+    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work); the
+    same rules as bst_fast.train's keyword overrides (trainer.apply_overrides)."""
     import yaml
 
-    from .train import TrainConfig
+    from .trainer import apply_overrides
 
-    d = cfg.to_dict()
+    overrides = []
     for item in sets:
         if "=" not in item:
             raise ValueError(f"--set takes key=value, got {item!r}")
         key, value = item.split("=", 1)
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                raise ValueError(f"config field {key!r} is unknown")
-            node = node[p]
-        if leaf not in node:
-            raise ValueError(f"config field {key!r} is unknown")
-        node[leaf] = yaml.safe_load(value)
-    return TrainConfig.from_dict(d)
+        overrides.append((key.strip(), yaml.safe_load(value)))
+    cfg = apply_overrides(cfg, {})  # a copy even without overrides
+    for key, value in overrides:  # one at a time: --set may name a field twice, the last one wins
+        cfg = apply_overrides(cfg, {key: value})
+    return cfg
 
 
 def _load(args):
-    from .train import TrainConfig
+    from .trainer import resolve_config
 
-    cfg = TrainConfig.load(args.config) if args.config else TrainConfig()
-    return _apply_sets(cfg, args.set or [])
+    return _apply_sets(resolve_config(args.config), args.set or [])
 
 
 def cmd_train(args):
-    from .train import train
+    from .trainer import train
 
     cfg = _load(args)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -55,7 +50,7 @@ def cmd_train(args):
 
 def cmd_star(args):
     """Trains the BST and the forward-only baseline on one config and prints their path accuracy."""
-    from .train import train
+    from .trainer import train
 
     base = _load(args)
     rows = []
@@ -111,7 +106,7 @@ def cmd_table(args):
     """Trains every row of TABLE_ROWS on one config and prints path accuracy per method."""
     import time
 
-    from .train import train
+    from .trainer import train
 
     base = _load(args)
     lines = []
@@ -137,7 +132,7 @@ def cmd_table(args):
 
 def _resolve_checkpoint(path):
     """(checkpoint folder, model, config); any failure is a ValueError naming the path."""
-    from .train import latest_checkpoint, load_model
+    from .trainer import latest_checkpoint, load_model
 
     path = Path(path)
     if not path.exists():
@@ -265,10 +260,17 @@ def cmd_probe(args):
         print(f"{cfg.method} ({path}): " + ", ".join(f"k={k}: {a:.3f}" for k, a in acc.items()))
 
 
-def main(argv=None):
-    from .train import TrainingStopped
+def _prog() -> str:
+    """The name the user typed: `bst-fast` for the console script, else `python -m bst_fast`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "bst-fast" if name.startswith("bst-fast") else "python -m bst_fast"
 
-    ap = argparse.ArgumentParser(prog="python -m bst_fast", description="Belief State Transformer training")
+
+def main(argv=None):
+    from .trainer import TrainingStopped
+
+    ap = argparse.ArgumentParser(prog=_prog(), description="Belief State Transformer training: "
+                                 "the Python API is bst_fast.train(config, **overrides)")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "train one model"), ("star", "star-graph reproduction: BST vs forward-only")):
         p = sub.add_parser(name, help=helptext)

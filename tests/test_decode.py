@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bst_fast import decode
 from bst_fast.__main__ import main
 from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig
-from bst_fast.train import TrainConfig, train
+from bst_fast.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -207,7 +207,7 @@ def test_each_method_trains(tmp_path, changes):
 
 
 def test_method_data_transforms():
-    from bst_fast.train import _StarTask
+    from bst_fast.trainer import _StarTask
 
     cfg = tiny("/tmp/unused", method="augment", augment_prob=1.0, star_path_len=4, star_nodes=12)
     task = _StarTask(cfg)

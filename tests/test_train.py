@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bst_fast.train import TrainConfig, load_model, train
+from bst_fast.trainer import TrainConfig, load_model, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"

@@ -1,14 +1,19 @@
-"""bst_fast.train: AdamW + warmup/cosine training of a BST (or a baseline) with exact resume and DDP.
+"""bst_fast.trainer: AdamW + warmup/cosine training of a BST (or a baseline) with exact resume and DDP.
 
 Methods (TrainConfig.method): "bst"; the star-graph baselines of the paper's figure: "forward"
 (next-token), "augment" (goal replaced by an intermediate node), "fim" (Fill-in-the-Middle: a path
 suffix placed before the answer) and "teacherless" (multi-token prediction). The BST ablations are
 "bst" with next_weight=1 ("w/o Prev") and with model.backward_encoder=false ("w/o backward").
+
+The package exports `train` as `bst_fast.train`; this module is named `trainer` so that the name
+`bst_fast.train` is that function, never a submodule.
 """
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -16,7 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -128,16 +133,34 @@ class TrainConfig:
         return self
 
 
+def _unknown_field(key: str, bad: str, known) -> ValueError:
+    """The error for an unknown config field: it names the key as given, the closest known field
+    and every known field at that level."""
+    *parents, leaf = bad.split(".")
+    prefix = "".join(p + "." for p in parents)
+    close = difflib.get_close_matches(leaf, list(known), n=1)
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    where = f" of {prefix[:-1]!r}" if prefix else ""
+    what = "" if key == bad else f": {bad!r} is not a field"
+    return ValueError(f"config field {key!r} is unknown{what}{hint}; known fields{where}: {sorted(known)}")
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _from_dict(cls, d, prefix):
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in d.items():
-        name = prefix + key
+        name = prefix + str(key)
         if key not in known:
-            raise ValueError(f"config field {name!r} is unknown; known fields: {sorted(known)}")
-        default = known[key].default_factory() if known[key].default_factory is not dataclasses.MISSING else known[key].default
+            raise _unknown_field(name, name, known)
+        default = _default(known[key])
         if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
+            if isinstance(value, type(default)):
+                value = dataclasses.asdict(value)  # checked like a mapping, and copied
+            if not isinstance(value, Mapping):
                 raise ValueError(f"config field {name!r} must be a mapping, got {value!r}")
             value = _from_dict(type(default), value, name + ".")
         elif default is not None and value is not None:
@@ -155,6 +178,61 @@ def _from_dict(cls, d, prefix):
             value = float(value)
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConfig:
+    """A new TrainConfig: `cfg` with `overrides` applied, in order; `cfg` is left as it was.
+
+    Keys are field names. A nested config's fields are given as a mapping, which changes only the
+    fields it names (`{"model": {"n_layer": 6}}`), as dotted keys (`{"model.n_layer": 6}`, the
+    form `--set` takes), or as a whole `ModelConfig`. Values are checked as `from_dict` checks them;
+    an unknown field raises a ValueError naming it and listing the known fields."""
+    d = cfg.to_dict()
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key or "" in key.split("."):
+            raise ValueError(f"config field {key!r} is not a field name (name, or parent.name for a nested field)")
+        *parents, leaf = key.split(".")
+        node, cls, path = d, TrainConfig, ""
+        for p in parents:
+            known = {f.name: f for f in fields(cls)}
+            if p not in known:
+                raise _unknown_field(key, path + p, known)
+            sub = _default(known[p])
+            if not dataclasses.is_dataclass(sub):
+                raise ValueError(f"config field {key!r} is unknown: {path + p!r} is a field of type "
+                                 f"{type(sub).__name__}, not a config with fields")
+            node, cls, path = node[p], type(sub), path + p + "."
+        known = {f.name: f for f in fields(cls)}
+        if leaf not in known:
+            raise _unknown_field(key, path + leaf, known)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(_default(known[leaf])):
+            node[leaf] = {**node[leaf], **value}  # a partial mapping changes only the fields it names
+        else:
+            node[leaf] = value
+    return TrainConfig.from_dict(d)
+
+
+ConfigLike = Union[TrainConfig, Mapping[str, Any], str, os.PathLike, None]
+
+
+def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
+    """A TrainConfig from what `train` accepts: None (the defaults), a TrainConfig (copied, never
+    changed), a mapping of fields (nested mappings or dotted keys for the model's fields) or the
+    path of a YAML/JSON config; then keyword overrides as in `apply_overrides`."""
+    if config is None:
+        cfg = TrainConfig()
+    elif isinstance(config, TrainConfig):
+        cfg = copy.deepcopy(config)
+    elif isinstance(config, Mapping):
+        cfg = apply_overrides(TrainConfig(), config)
+    elif isinstance(config, (str, os.PathLike)):
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"config file {str(config)!r} does not exist")
+        cfg = TrainConfig.load(config)
+    else:
+        raise TypeError(f"config must be a TrainConfig, a dict of fields or the path of a YAML/JSON file, "
+                        f"got {type(config).__name__}")
+    return apply_overrides(cfg, overrides) if overrides else cfg
 
 
 # ---------------------------------------------------------------- data
@@ -476,21 +554,30 @@ def _check_resumable(ckpt: Path, cfg: TrainConfig):
         raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
 
 
-def train(cfg: Union[TrainConfig, Dict[str, Any]], resume: bool = False,
-          stop_at: Optional[int] = None, overwrite: bool = False) -> Dict[str, float]:
-    """Trains per cfg; returns the last evaluation's metrics plus the training rates.
+def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int] = None,
+          overwrite: bool = False, **overrides: Any) -> Dict[str, float]:
+    """Trains a model; returns the last evaluation's metrics plus the training rates (`loss`, `lr`,
+    `tokens_per_s`, `pairs_per_s`, `steps_per_s`, and `path_accuracy` on star graphs or
+    `held_out_loss` on text).
 
-    stop_at ends this call after that step with a checkpoint, as a pre-empted job would; a later
-    call with resume=True continues to exactly the parameters of an uninterrupted run.
-    overwrite starts over in an out_dir that holds another run (otherwise that is an error).
+    `config` is a TrainConfig, a dict of its fields or the path of a YAML/JSON config (None: the
+    defaults, a G(2,5) star-graph BST). Keyword overrides use the config's field names; the model's
+    fields are given as `model={...}` (only the named fields change) or as dotted keys,
+    `**{"model.n_layer": 6}`. An unknown field raises a ValueError naming it and the known ones.
+    The config passed in is never changed.
+
+        bst_fast.train("configs/star_cpu.yaml", steps=500, out_dir="runs/mine", model={"n_layer": 2})
+
+    resume continues from the latest checkpoint in out_dir. stop_at ends this call after that step
+    with a checkpoint, as a pre-empted job would; a later call with resume=True continues to exactly
+    the parameters of an uninterrupted run. overwrite starts over in an out_dir that holds another
+    run (otherwise that is an error).
 
     Under torchrun (WORLD_SIZE > 1) it runs DDP (NCCL on GPU, gloo on CPU); every rank draws the
     same global batch and takes its share of rows, and each rank's loss is divided by the global
     pair and token counts, so the averaged gradient equals that of one process on the whole batch.
     """
-    if isinstance(cfg, dict):
-        cfg = TrainConfig.from_dict(cfg)
-    cfg.check()
+    cfg = resolve_config(config, **overrides).check()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and not dist.is_initialized():

@@ -1,0 +1,298 @@
+"""The public API as users name it: bst_fast.train(...), the exports, the packaging, and the
+README's Python blocks run as tests.
+
+README convention: every ```python block runs, in order, in one namespace, in a scratch folder
+holding a link to configs/. An HTML comment on the line just before the fence changes that:
+  <!-- readme-test: skip (reason) -->   never run (a corpus, a long run, a placeholder path)
+  <!-- readme-test: cuda -->            run only where CUDA is available
+  <!-- readme-test: slow -->            marked slow (deselect with -m "not slow")
+"""
+import importlib
+import importlib.metadata
+import json
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, NamedTuple
+
+import pytest
+import torch
+
+import bst_fast
+from bst_fast.trainer import TrainConfig, apply_overrides, resolve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+TINY_MODEL = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16}
+
+
+# ---------------------------------------------------------------- the names
+
+def test_train_is_the_function_after_importing_every_submodule():
+    for info in pkgutil.walk_packages(bst_fast.__path__, "bst_fast."):
+        importlib.import_module(info.name)
+    assert callable(bst_fast.train) and not isinstance(bst_fast.train, type(bst_fast))
+    assert bst_fast.train is bst_fast.trainer.train
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("bst_fast.train")  # no submodule may take the name
+
+
+def test_train_is_the_function_when_a_submodule_is_imported_first():
+    # A fresh interpreter, where `import bst_fast.<module>` runs before any use of the package.
+    code = ("import bst_fast.trainer, bst_fast.decode, bst_fast.model, bst_fast.data, bst_fast.__main__\n"
+            "import bst_fast\n"
+            "from bst_fast import train\n"
+            "assert callable(bst_fast.train) and train is bst_fast.train is bst_fast.trainer.train, bst_fast.train\n"
+            "print('ok')")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+EXPORTS = {
+    "TextHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS",
+    "train", "TrainConfig", "ModelConfig", "BeliefStateTransformer", "ForwardOnly", "TrainingStopped", "load_model",
+    "sample", "plan", "Plan", "beam_search",
+    "StarGraphTokenizer", "StarGraphData", "StarGraphStream", "path_accuracy", "TextData", "train_bpe",
+    "load_tokenizer",
+}
+
+
+def test_exports():
+    assert set(bst_fast.__all__) == EXPORTS and len(bst_fast.__all__) == len(EXPORTS)
+    namespace = {}
+    exec("from bst_fast import *", namespace)
+    assert EXPORTS <= set(namespace)
+    from bst_fast import decode, model, trainer
+
+    assert bst_fast.TrainConfig is trainer.TrainConfig and bst_fast.ModelConfig is model.ModelConfig
+    assert bst_fast.BeliefStateTransformer is model.BeliefStateTransformer
+    assert bst_fast.plan is decode.plan and bst_fast.sample is decode.sample
+    assert bst_fast.beam_search is decode.beam_search
+    assert isinstance(bst_fast.__version__, str)
+
+
+# ---------------------------------------------------------------- configs and overrides
+
+def test_config_forms_agree():
+    from_file = resolve_config(TINY)
+    from_dict = resolve_config(json.loads(json.dumps(from_file.to_dict())))
+    from_cfg = resolve_config(from_file)
+    assert from_file == from_dict == from_cfg and from_cfg is not from_file
+    assert resolve_config(str(TINY)) == from_file
+    assert resolve_config() == TrainConfig()
+    # A dict may use dotted keys and partial model mappings, like keyword overrides.
+    assert resolve_config({"model.n_layer": 3}).model.n_layer == 3
+    assert resolve_config({"model": {"n_layer": 3}}).model.d_model == TrainConfig().model.d_model
+
+
+def test_overrides_nested_dotted_and_whole():
+    base = TrainConfig.load(TINY)
+    nested = resolve_config(TINY, model={"n_layer": 3}, steps=9)
+    dotted = resolve_config(TINY, **{"model.n_layer": 3, "steps": 9})
+    assert nested == dotted
+    assert nested.model.n_layer == 3 and nested.model.d_model == base.model.d_model == 16  # the rest kept
+    assert nested.steps == 9 and nested.batch_size == base.batch_size
+    whole = resolve_config(TINY, model=bst_fast.ModelConfig(n_layer=2))
+    assert whole.model == bst_fast.ModelConfig(n_layer=2)
+    assert resolve_config(TINY, lr=1).lr == 1.0 and isinstance(resolve_config(TINY, lr=1).lr, float)
+    assert resolve_config(TINY, pairs=0.5, **{"model.head_hidden": [8, 8]}).model.head_hidden == [8, 8]
+    # In order: a later key wins.
+    assert apply_overrides(base, {"model": {"n_layer": 5}, "model.n_layer": 6}).model.n_layer == 6
+    assert TrainConfig.load(TINY) == base  # nothing was changed in place
+
+
+def test_train_leaves_the_given_config_unchanged(tmp_path):
+    cfg = TrainConfig.load(TINY)
+    before = cfg.to_dict()
+    result = bst_fast.train(cfg, out_dir=str(tmp_path), steps=2, eval_every=2, ckpt_every=0)
+    assert cfg.to_dict() == before  # neither the overrides nor the data's vocab_size / max_len leak back
+    assert result["loss"] > 0 and 0.0 <= result["path_accuracy"] <= 1.0
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
+
+
+@pytest.mark.parametrize("overrides, names", [
+    ({"stpes": 1}, ["'stpes' is unknown", "did you mean 'steps'", "'batch_size'", "'model'"]),
+    ({"model": {"n_layr": 2}}, ["'model.n_layr' is unknown", "did you mean 'model.n_layer'", "'head_hidden'"]),
+    ({"model.n_layr": 2}, ["'model.n_layr' is unknown", "did you mean 'model.n_layer'", "of 'model'"]),
+    ({"modle.n_layer": 2}, ["'modle.n_layer' is unknown", "'modle' is not a field", "did you mean 'model'"]),
+    ({"steps.x": 2}, ["'steps.x' is unknown", "'steps' is a field of type int"]),
+    ({"steps": "many"}, ["'steps' must be int"]),
+    ({"model": 3}, ["'model' must be a mapping"]),
+    ({"model.": 3}, ["'model.' is not a field name"]),
+])
+def test_bad_overrides_name_the_field_before_any_work(tmp_path, overrides, names):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError) as err:
+        bst_fast.train(TINY, out_dir=str(out), **overrides)
+    for name in names:
+        assert name in str(err.value), str(err.value)
+    assert not out.exists()
+
+
+def test_unknown_override_lists_every_known_field():
+    with pytest.raises(ValueError) as err:
+        bst_fast.train(stpes=1)
+    assert all(repr(name) in str(err.value) for name in TrainConfig().to_dict())
+
+
+def test_bad_config_arguments():
+    with pytest.raises(TypeError, match="config must be"):
+        bst_fast.train(3)
+    with pytest.raises(FileNotFoundError, match="no_such.yaml"):
+        bst_fast.train("configs/no_such.yaml")
+
+
+def test_cli_set_follows_the_same_rules(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY),
+                          "--set", f"out_dir={tmp_path}", "--set", "stpes=1"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2
+    assert "'stpes' is unknown" in run.stderr and "did you mean 'steps'" in run.stderr and "'batch_size'" in run.stderr
+
+
+# ---------------------------------------------------------------- packaging
+
+def test_cli_help_names_the_command():
+    from bst_fast.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+
+
+def test_console_script_is_declared_and_runs():
+    try:
+        dist = importlib.metadata.distribution("bst_fast")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("bst_fast is not installed (pip install --no-build-isolation -e .)")
+    scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
+    if "bst-fast" not in scripts:
+        pytest.skip("the installed metadata predates pyproject.toml: reinstall with pip install --no-build-isolation -e .")
+    assert scripts["bst-fast"] == "bst_fast.__main__:main"
+    exe = shutil.which("bst-fast") or str(Path(sys.executable).parent / "bst-fast")
+    assert Path(exe).exists(), "bst-fast is declared but not on PATH"
+    run = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("usage: bst-fast") and "train" in run.stdout and "generate" in run.stdout
+
+
+def test_pyproject_declares_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = meta["project"]
+    deps = " ".join(project["dependencies"])
+    for name in ("torch", "numpy", "tqdm", "pyyaml", "safetensors", "tokenizers", "triton"):
+        assert re.search(rf"(^|\s){name}\b", deps), name
+    assert "sys_platform == 'linux'" in next(d for d in project["dependencies"] if d.startswith("triton"))
+    extras = project["optional-dependencies"]
+    assert {"pytest", "pytest-benchmark"} <= set(extras["test"]) and "matplotlib" in extras["bench"]
+    assert project["scripts"] == {"bst-fast": "bst_fast.__main__:main"}
+    assert meta["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert "CppExtension" in (ROOT / "setup.py").read_text()  # the extension is still setuptools-built
+    # requirements.txt pins only what the build and CI need: no runtime dependency twice.
+    reqs = {re.split(r"[<>=;\[ ]", line.strip())[0].lower() for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")}
+    assert not reqs & {"numpy", "tqdm", "pyyaml", "safetensors", "tokenizers", "triton", "torch"}, reqs
+
+
+def test_installed_version_matches_the_package():
+    try:
+        version = importlib.metadata.version("bst_fast")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("bst_fast is not installed")
+    assert version == bst_fast.__version__
+
+
+# ---------------------------------------------------------------- the README's Python blocks
+
+class Snippet(NamedTuple):
+    index: int
+    line: int  # the README line of the block's first code line
+    code: str
+    tags: List[str]
+
+
+def readme_snippets(text: str) -> List[Snippet]:
+    lines = text.splitlines()
+    out, k = [], 0
+    while k < len(lines):
+        if lines[k].strip() == "```python":
+            start = k + 1
+            end = next(j for j in range(start, len(lines)) if lines[j].strip() == "```")
+            prev = lines[k - 1].strip() if k else ""
+            m = re.fullmatch(r"<!--\s*readme-test:\s*(.*?)\s*-->", prev)
+            tags = [t.strip().split(" ")[0] for t in m.group(1).split(",")] if m else []
+            unknown = set(tags) - {"skip", "cuda", "slow"}
+            if unknown:
+                raise ValueError(f"README.md:{k}: unknown readme-test tags {sorted(unknown)}")
+            out.append(Snippet(len(out), start + 1, "\n".join(lines[start:end]), tags))
+            k = end
+        k += 1
+    return out
+
+
+SNIPPETS = readme_snippets((ROOT / "README.md").read_text())
+
+
+def _runs(s: Snippet) -> bool:
+    return "skip" not in s.tags and ("cuda" not in s.tags or torch.cuda.is_available())
+
+
+class _ReadmeSession:
+    """One namespace and one scratch folder for all blocks; a block run alone (pytest -k) first
+    runs the blocks before it, as a reader would have."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.namespace = {"__name__": "__readme__"}
+        self.done = set()
+
+    def run(self, snippet: Snippet):
+        for s in SNIPPETS[:snippet.index]:
+            if _runs(s) and s.index not in self.done:
+                self._exec(s)
+        self._exec(snippet)
+
+    def _exec(self, s: Snippet):
+        self.done.add(s.index)  # a failing block is reported once, by its own test
+        code = compile("\n" * (s.line - 1) + s.code, str(ROOT / "README.md"), "exec")
+        here = os.getcwd()
+        os.chdir(self.folder)
+        try:
+            exec(code, self.namespace)
+        finally:
+            os.chdir(here)
+
+
+@pytest.fixture(scope="module")
+def readme_session(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    return _ReadmeSession(folder)
+
+
+def _params():
+    for s in SNIPPETS:
+        marks = []
+        if "skip" in s.tags:
+            marks.append(pytest.mark.skip(reason="README block marked readme-test: skip"))
+        if "cuda" in s.tags:
+            marks += [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+        if "slow" in s.tags:
+            marks.append(pytest.mark.slow)
+        yield pytest.param(s, id=f"README.md:{s.line}", marks=marks)
+
+
+def test_readme_has_python_blocks():
+    assert len(SNIPPETS) >= 4
+    assert any("bst_fast.train(" in s.code and _runs(s) for s in SNIPPETS)
+    assert "bst_fast.train.train" not in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("snippet", list(_params()))
+def test_readme_python_block(readme_session, snippet):
+    readme_session.run(snippet)
