@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# The GPU run of issue 3 on one CUDA machine: the cuda-marked tests, the pair-loss benchmark and the
-# profiler trace of a training step. Everything lands in bench/results/, named after the GPU.
+# One GPU run, under 10 minutes: build, check the chunked backend against float64, time every GPU
+# backend against the naive materialised objective at the issue's shapes, time a training step,
+# then the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU.
 #
-#   bash bench/gpu.sh            # from anywhere; needs torch with CUDA, triton and this package built
+#   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
 #
-# Every step runs even if an earlier one failed; the exit status is nonzero if any did.
+# Every step runs under its own timeout even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
+name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
     echo "bench/gpu.sh: no CUDA device visible to torch" >&2; exit 1; }
-out=bench/results
+out=${RESULTS_DIR:-bench/results}
 mkdir -p "$out"
 status=0
+step() {  # step <seconds> <log name> <command...>
+    local t=$1 log=$2; shift 2
+    echo "== $name: $log"
+    timeout "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
+}
 
-echo "== $name: cuda tests"
-python -m pytest -m cuda -v tests 2>&1 | tee "$out/$name-tests.txt" || status=1
-
-echo "== $name: pair-loss benchmark (fused vs materialised vs torch.compile, bf16)"
-python bench/pairs.py --device cuda --dtype bfloat16 --T 64 128 256 512 1024 --hidden 512 --layers 2 3 \
-    --vocab 1000 32000 --batch 32 2>&1 | tee "$out/$name-pairs.txt" || status=1
-
-echo "== $name: profiler trace of a training step"
-python bench/profile.py --device cuda 2>&1 | tee "$out/$name-profile-log.txt" || status=1
-
+step 150 build python3 setup.py build_ext --inplace
+step 120 check python3 bench/gpu_check.py
+P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --reps 5"
+step 150 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
+step 90 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
+step 90 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
+step 90 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
+step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
+step 150 tests python3 -m pytest -m cuda -q -x tests
 exit $status

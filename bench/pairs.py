@@ -144,19 +144,27 @@ def run_case(args, T, layers, V, compiled):
         print(f"  {method:<16} T={T:<5} layers={layers} V={V:<6} {sec * 1e3:10.1f} ms "
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
 
-    def fused(**kw):
+    def fused(backend, forward_only=False, **kw):
         def step():
             f.grad = b.grad = None
             head.zero_grad(set_to_none=True)
-            belief_state_loss(f, b, tokens, head, **kw).backward()
+            if forward_only:
+                with torch.no_grad():
+                    belief_state_loss(f, b, tokens, head, backend=backend, **kw)
+            else:
+                belief_state_loss(f, b, tokens, head, backend=backend, **kw).backward()
         return step
 
     reps = args.reps if n_pairs * h * V < 5e10 else 1
-    record("bst_fast", fused(), reps)
-    if T == args.subsample_T:
-        sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of SPEC §5
-        record("bst_fast pairs=0.02", fused(pairs=0.02, generator=torch.Generator().manual_seed(0)),
-               args.reps, pairs=sampled)
+    for backend in args.backends:
+        slow = backend == "triton" and n_pairs * h * V > 2e11  # the old fused kernel: seconds per call
+        if args.forward:
+            record(f"{backend} fwd", fused(backend, forward_only=True), 1 if slow else reps)
+        record(backend, fused(backend), 1 if slow else reps)
+        if T == args.subsample_T and backend == args.backends[0]:
+            sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of SPEC §5
+            record(f"{backend} pairs=0.02", fused(backend, pairs=0.02, generator=torch.Generator().manual_seed(0)),
+                   args.reps, pairs=sampled)
 
     # The materialised objective holds the (pairs, 2m) input, (pairs, h) hiddens and several
     # (pairs, 2V) logit-sized tensors at once; skip it where that would not fit.
@@ -175,13 +183,19 @@ def run_case(args, T, layers, V, compiled):
     del mask
     scale = torch.tensor(1.0 / n_pairs, device=dev, dtype=torch.float64)
 
-    def mat(fn):
+    def mat(fn, forward_only=False):
         def step():
             f.grad = b.grad = None
             head.zero_grad(set_to_none=True)
-            fn(f, b, tokens, head, row, i, j, scale, V).backward()
+            if forward_only:
+                with torch.no_grad():
+                    fn(f, b, tokens, head, row, i, j, scale, V)
+            else:
+                fn(f, b, tokens, head, row, i, j, scale, V).backward()
         return step
 
+    if args.forward:
+        record("materialised fwd", mat(materialised, True), reps)
     record("materialised", mat(materialised), reps)
     if compiled is not None:
         record("torch.compile", mat(compiled), reps)
@@ -222,12 +236,17 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, nargs="+", default=[2])
     ap.add_argument("--vocab", type=int, nargs="+", default=[1000])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="bst_fast backends to time (default: cpp on the CPU, chunked and triton on CUDA)")
+    ap.add_argument("--forward", action="store_true", help="also time the forward alone (no_grad)")
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--mem-limit-gb", type=float, default=None,
                     help="skip the materialised objective above this estimate (default: 60%% of free memory)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = ap.parse_args(argv)
+    if args.backends is None:
+        args.backends = ["chunked", "triton"] if args.device == "cuda" else ["cpp"]
     if args.mem_limit_gb is None:
         if args.device == "cuda":
             free = torch.cuda.mem_get_info()[0]
@@ -239,6 +258,12 @@ def main(argv=None):
     print(f"device: {name}  threads: {torch.get_num_threads()}  torch {torch.__version__}  dtype {args.dtype}")
     compiled = None if args.no_compile else torch.compile(materialised, dynamic=True)
     rows, rates = [], {}
+    if args.device == "cuda":  # the card's own peak for this dtype, at a shape that fills it
+        a = torch.randn(8192, 8192, device="cuda", dtype=getattr(torch, args.dtype))
+        sec, _ = timed(lambda: a @ a, "cuda", 10)
+        rates["peak"] = 2 * 8192**3 / sec / 1e9
+        del a
+        print(f"torch.mm at 8192^3: {rates['peak']:.1f} GFLOP/s")
     for layers in args.layers:
         for V in args.vocab:
             rates[V] = rates.get(V) or mm_rate(args.device, getattr(torch, args.dtype), args.hidden, 2 * V)
@@ -252,19 +277,24 @@ def main(argv=None):
         for V in args.vocab:
             at = {r["method"]: r for r in rows if r["T"] == args.subsample_T and r["layers"] == layers
                   and r["V"] == V and "seconds" in r}
-            fused = at.get("bst_fast")
-            if not fused:
-                continue
-            s = dict(T=args.subsample_T, layers=layers, V=V, mm_gflops=rates[V],
-                     fraction_of_mm=fused["gflops"] / rates[V])
-            if "materialised" in at:
-                s["speedup_vs_materialised"] = at["materialised"]["seconds"] / fused["seconds"]
-                s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
-            if "torch.compile" in at:
-                s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
-            if "bst_fast pairs=0.02" in at:
-                s["subsample_time_fraction"] = at["bst_fast pairs=0.02"]["seconds"] / fused["seconds"]
-            summary.append(s)
+            for backend in args.backends:
+                fused = at.get(backend)
+                if not fused:
+                    continue
+                s = dict(T=args.subsample_T, layers=layers, V=V, backend=backend, mm_gflops=rates[V],
+                         fraction_of_mm=fused["gflops"] / rates[V])
+                if "peak" in rates:
+                    s["fraction_of_peak_mm"] = fused["gflops"] / rates["peak"]
+                if "materialised" in at:
+                    s["speedup_vs_materialised"] = at["materialised"]["seconds"] / fused["seconds"]
+                    s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
+                if "torch.compile" in at:
+                    s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
+                if f"{backend} pairs=0.02" in at:
+                    s["subsample_time_fraction"] = at[f"{backend} pairs=0.02"]["seconds"] / fused["seconds"]
+                if f"{backend} fwd" in at and "materialised fwd" in at:
+                    s["forward_speedup_vs_materialised"] = at["materialised fwd"]["seconds"] / at[f"{backend} fwd"]["seconds"]
+                summary.append(s)
 
     print("\n| method | T | layers | V | ms | pairs/s | GFLOP/s | peak MB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -275,8 +305,8 @@ def main(argv=None):
         else:
             print(f"| {r['method']} | {r['T']} | {r['layers']} | {r['V']} | {r['note']} | | | |")
     for s in summary:
-        print("\nat T={T}, {layers} layers, V={V}: ".format(**s)
-              + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "layers", "V")))
+        print("\n{backend} at T={T}, {layers} layers, V={V}: ".format(**s)
+              + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "layers", "V", "backend")))
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"

@@ -4,13 +4,15 @@ Writes bench/results/<device name>-profile.json (chrome trace, open in chrome://
 and bench/results/<device name>-profile.txt (the top-kernel table). NVTX ranges mark the encoders,
 the pair loss and the optimizer, so an nsys capture of this script shows the same phases.
 
-    python bench/profile.py --device cuda            # the H100 profiling run (bf16, triton backend)
+    python bench/profile.py --device cuda            # the H100 profiling run (bf16, auto backend)
     python bench/profile.py --device cpu --T 16      # smoke test
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 # This file is named profile.py: drop its own folder from the path so that `import profile`
 # (cProfile, pulled in by torch) finds the standard library, and put the repository root there.
@@ -77,7 +79,7 @@ def main():
     dtype = getattr(torch, pick(a.dtype, "bfloat16", "float32"))
     B, T, m = pick(a.batch, 32, 2), pick(a.T, 256, 16), pick(a.d_model, 768, 32)
     n_enc, h, V = pick(a.enc_layers, 8, 1), pick(a.hidden, 512, 32), pick(a.vocab, 1000, 50)
-    backend = pick(a.backend, "triton", "torch")
+    backend = pick(a.backend, "auto", "torch")
     L = T + 2
     name = torch.cuda.get_device_name(dev).replace(" ", "-") if gpu else "cpu"
 
@@ -89,17 +91,34 @@ def main():
     opt = torch.optim.AdamW(params, lr=1e-4)
     tokens = torch.randint(0, V, (B, L), device=dev)
 
+    phases = ("encoders", "pair_loss", "backward", "optimizer")
+    marks = []  # per step: one CUDA event (or host time) at each phase boundary
+
+    def mark():
+        if gpu:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            marks[-1].append(e)
+        else:
+            marks[-1].append(time.perf_counter())
+
     def step():
+        marks.append([])
+        mark()
         with nvtx("encoders", gpu):
             f = fwd(tokens)  # (B, L, m)
             b = bwd(tokens.flip(1)).flip(1)  # (B, L, m): b[:, j] has read tokens[:, j:]
+        mark()
         with nvtx("pair_loss", gpu):
             loss = belief_state_loss(f, b, tokens, head, backend=backend)
+        mark()
         with nvtx("backward", gpu):
             loss.backward()
+        mark()
         with nvtx("optimizer", gpu):
             opt.step()
             opt.zero_grad(set_to_none=True)
+        mark()
         return loss
 
     for _ in range(2):  # warm-up: Triton compilation, cuBLAS heuristics, allocator
@@ -112,6 +131,18 @@ def main():
             loss = step()
         if gpu:
             torch.cuda.synchronize()
+    # Per-phase times outside the profiler (it slows the host side): median over a.steps steps.
+    marks.clear()
+    for _ in range(a.steps):
+        step()
+    if gpu:
+        torch.cuda.synchronize()
+    ms = lambda x, y: x.elapsed_time(y) if gpu else (y - x) * 1e3
+    per = {ph: statistics.median(ms(m_[k], m_[k + 1]) for m_ in marks) for k, ph in enumerate(phases)}
+    total = statistics.median(ms(m_[0], m_[-1]) for m_ in marks)
+    phase_table = "| phase | ms |\n| --- | --- |\n" + "".join(f"| {ph} | {v:.1f} |\n" for ph, v in per.items())
+    phase_table += f"| step | {total:.1f} ({1e3 / total:.2f} it/s) |\n"
+
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"{name}-profile")
     prof.export_chrome_trace(base + ".json")
@@ -120,8 +151,9 @@ def main():
     head_line = (f"# {name}: B={B} T={T} m={m} enc_layers={n_enc} head={a.head_layers}x{h} V={V} "
                  f"{dtype} backend={backend}, {a.steps} steps, loss {loss.item():.4f}\n")
     with open(base + ".txt", "w") as fh:
-        fh.write(head_line + table + "\n")
+        fh.write(head_line + phase_table + "\n" + table + "\n")
     print(head_line + table)
+    print(phase_table)
     print(f"wrote {base}.json and {base}.txt")
 
 

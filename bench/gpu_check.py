@@ -1,0 +1,89 @@
+"""GPU correctness of the chunked backend against the float64 reference (SPEC §6), and its bitwise
+reproducibility; prints one line per case and exits nonzero on any failure.
+
+    python bench/gpu_check.py          # needs a CUDA GPU
+"""
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bst_fast import TextHead, belief_state_loss  # noqa: E402
+from bst_fast.backends import configs  # noqa: E402
+
+
+def rel(x, y):
+    return ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-300)).item()
+
+
+def run(f, b, tokens, head, dtype, scale, backend, **opts):
+    h = copy.deepcopy(head).to(dtype)
+    f = f.detach().to(dtype).requires_grad_()
+    b = b.detach().to(dtype).requires_grad_()
+    loss = belief_state_loss(f, b, tokens, h, backend=backend, **opts)
+    return loss.detach(), torch.autograd.grad(loss * scale, [f, b, *h.parameters()])
+
+
+def main():
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    failures = 0
+    cases = [
+        dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
+        dict(B=2, L=53, m=32, V=3001, hidden=200, n_layers=3, act="silu",
+             opts=dict(lengths=[53, 41], prefix_start=[0, 3], max_gap=17, next_weight=0.3)),
+        dict(B=4, L=29, m=16, V=64, hidden=[48, 24, 40], n_layers=4, act="gelu_tanh", opts=dict(reduction="sum")),
+        dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="relu", opts=dict(explicit=True)),
+        dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="leaky_relu", opts=dict(pairs=0.3)),
+    ]
+    for chunk in (None, 97):
+        configs.CHUNK_PAIRS = chunk
+        for k, c in enumerate(cases):
+            g = torch.Generator().manual_seed(k)
+            head = TextHead(c["m"], c["V"], hidden=c["hidden"], n_layers=c["n_layers"], activation=c["act"])
+            with torch.no_grad():
+                for q in head.parameters():
+                    q.copy_(torch.randn(q.shape, generator=g) * 0.5)
+            head = head.to(dev)
+            f = torch.randn(c["B"], c["L"], c["m"], generator=g).to(dev)
+            b = torch.randn(c["B"], c["L"], c["m"], generator=g).to(dev)
+            tokens = torch.randint(0, c["V"], (c["B"], c["L"]), generator=g).to(dev)
+            opts = dict(c["opts"])
+            for key in ("lengths", "prefix_start"):
+                if key in opts:
+                    opts[key] = torch.tensor(opts[key], device=dev)
+            if opts.pop("explicit", False):
+                row = torch.randint(0, c["B"], (300,), generator=g)
+                i = torch.randint(0, c["L"] - 3, (300,), generator=g)
+                j = i + 2 + (torch.rand(300, generator=g) * (c["L"] - 2 - i)).long()
+                opts["pairs"] = (row.to(dev), i.to(dev), j.to(dev))
+            if isinstance(opts.get("pairs"), float):
+                opts["generator"] = torch.Generator(device="cpu").manual_seed(5)
+            scale = 1.7
+            regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
+            ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
+            for dtype in (torch.float32, torch.bfloat16):
+                l1, g1 = run(f, b, tokens, head, dtype, scale, "chunked", **regen())
+                l2, g2 = run(f, b, tokens, head, dtype, scale, "chunked", **regen())
+                same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
+                el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
+                if dtype == torch.float32:
+                    ok = el < 1e-5 and eg < 1e-4
+                    bound = "1e-5/1e-4"
+                else:
+                    ml, mg = run(f, b, tokens, head, dtype, scale, "reference", **regen())
+                    bl = 2 * rel(ml, ref_l) + 1e-3
+                    ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 for x, y, z in zip(g1, ref_g, mg))
+                    ok = el <= bl and ok_g
+                    bound = f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
+                ok = ok and same
+                failures += not ok
+                print(f"chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
+                      f"(bound {bound}) bitwise-reproducible={same} {'ok' if ok else 'FAIL'}", flush=True)
+    print("all ok" if not failures else f"{failures} FAILED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
