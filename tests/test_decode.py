@@ -152,23 +152,68 @@ def test_beam_search_equals_exhaustive_search(kind):
     assert torch.allclose(logp, torch.tensor([lp for lp, _ in exhaustive[:beams]]), atol=1e-4)
 
 
+def greedy_by_reencoding(model, prompt, goal, n):
+    """n greedy tokens after prompt, the Next head reading B(goal + EOS) (B(EOS) for no goal), every
+    step by full re-encoding: no cache and no search interface."""
+    b = model.suffix_states(torch.tensor([list(goal) + [EOS]]))[0, 0]
+    seq = list(prompt)
+    for _ in range(n):
+        f = model.prefix_states(torch.tensor([seq]))[0, -1]
+        seq.append(int(model.logits(f, b)[0].argmax()))
+    return seq[len(prompt):]
+
+
+def plan_by_reencoding(model, prompt, goal, horizon, rollouts):
+    """Algorithm 1's candidates, written out with full re-encoding: pop the highest priority (first
+    pushed among equals), extend it greedily given B(goal), push every other token x with priority
+    r * p(x) / p(x_max), r the popped priority."""
+    b = model.suffix_states(torch.tensor([list(goal) + [EOS]]))[0, 0]
+    order = itertools.count()
+    queue, candidates = [(1.0, next(order), list(prompt))], []
+    for _ in range(rollouts):
+        entry = max(queue, key=lambda e: (e[0], -e[1]))
+        queue.remove(entry)
+        r, _, s = entry
+        while len(s) < len(prompt) + horizon:
+            p = model.logits(model.prefix_states(torch.tensor([s]))[0, -1], b)[0].softmax(-1)
+            x_max = int(p.argmax())
+            queue += [(r * float(p[x] / p[x_max]), next(order), s + [x]) for x in range(len(p)) if x != x_max]
+            s = s + [x_max]
+        candidates.append(s + list(goal))
+    return candidates
+
+
 def test_known_goal_score_and_plan_on_a_real_model():
-    model = tiny_bst()
-    prompt, goal, horizon = [4, 0], [2, 1], 3
-    result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=5, eos_id=EOS)
-    assert len(result.candidates) == 5 and len({tuple(c.tolist()) for c in result.candidates}) == 5
-    # The first roll-out is greedy given B(goal).
-    greedy = decode.sample(model, torch.tensor([prompt]), horizon, EOS, temperature=0, goal=goal)[0].tolist()
-    assert result.candidates[0].tolist() == prompt + greedy + goal
-    # Known-goal score by hand: each goal token given its prefix and the rest of the goal (+ EOS) as suffix.
+    # A model whose greedy path depends on the goal: an error that drops the goal (the empty suffix
+    # read instead) changes the first roll-out.
+    model = tiny_bst(seed=1)
+    prompt, horizon = [4, 0], 3
     with torch.no_grad():
-        for cand, score in zip(result.candidates, result.scores):
-            row = torch.tensor([cand.tolist() + [EOS]])
-            f, b = model.prefix_states(row)[0], model.suffix_states(row)[0]
-            want = sum(float(F.log_softmax(model.logits(f[p - 1], b[p + 1])[0], -1)[row[0, p]])
-                       for p in range(len(prompt) + horizon, row.shape[1] - 1))
-            assert math.isclose(float(score), want, rel_tol=1e-4, abs_tol=1e-5)
-    assert result.best.tolist() == result.candidates[int(result.scores.argmax())].tolist()
+        paths = {tuple(goal): greedy_by_reencoding(model, prompt, goal, horizon) for goal in ([], [1], [0])}
+    assert len({tuple(p) for p in paths.values()}) == 3, f"the greedy path must depend on the goal: {paths}"
+    for goal in ([1], [0]):
+        result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=5, eos_id=EOS)
+        assert len(result.candidates) == 5 and len({tuple(c.tolist()) for c in result.candidates}) == 5
+        # The first roll-out is greedy given B(goal); so is sample at temperature 0 with the goal.
+        greedy = paths[tuple(goal)]
+        assert result.candidates[0].tolist() == prompt + greedy + goal
+        assert decode.sample(model, torch.tensor([prompt]), horizon, EOS, temperature=0, goal=goal)[0].tolist() == greedy
+        # Every roll-out reads the goal: all candidates are those of Algorithm 1 given B(goal).
+        with torch.no_grad():
+            assert [c.tolist() for c in result.candidates] == plan_by_reencoding(model, prompt, goal, horizon, 5)
+        # Known-goal score by hand: each goal token given its prefix and the rest of the goal (+ EOS) as suffix.
+        want = []
+        with torch.no_grad():
+            for cand in result.candidates:
+                row = torch.tensor([cand.tolist() + [EOS]])
+                f, b = model.prefix_states(row)[0], model.suffix_states(row)[0]
+                want.append(sum(float(F.log_softmax(model.logits(f[p - 1], b[p + 1])[0], -1)[row[0, p]])
+                                for p in range(len(prompt) + horizon, row.shape[1] - 1)))
+        for score, w in zip(result.scores.tolist(), want):
+            assert math.isclose(score, w, rel_tol=1e-4, abs_tol=1e-5)
+        # The plan is a candidate whose hand-computed score is the highest (up to the rounding above).
+        chosen = [k for k, c in enumerate(result.candidates) if c.tolist() == result.best.tolist()]
+        assert len(chosen) == 1 and want[chosen[0]] >= max(want) - 1e-4 * abs(max(want)) - 1e-5
 
 
 def test_belief_states_and_probe_known_cases():
@@ -202,8 +247,16 @@ TINY_MODEL = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16}
                                      {"method": "bst", "next_weight": 1.0},
                                      {"method": "bst", "model": {**TINY_MODEL, "backward_encoder": False}}])
 def test_each_method_trains(tmp_path, changes):
-    result = train(tiny(tmp_path, steps=3, eval_every=3, ckpt_every=0, **changes))
-    assert math.isfinite(result["loss"]) and 0.0 <= result["path_accuracy"] <= 1.0
+    # A fixed training set of one batch and a constant learning rate: every step trains on the same
+    # graphs (up to the method's random transform), so the loss must fall.
+    cfg = tiny(tmp_path, steps=5, eval_every=5, ckpt_every=0, log_every=1, n_train=8, batch_size=8,
+               warmup=0, lr=1e-2, min_lr=1e-2, **changes)
+    result = train(cfg)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
+    losses = [float(v) for s, k, v in (r.split(",") for r in rows) if k == "loss"]
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.05, f"the loss did not fall: {losses}"
+    assert result["loss"] == losses[-1] and 0.0 <= result["path_accuracy"] <= 1.0
 
 
 def test_method_data_transforms():

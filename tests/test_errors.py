@@ -8,12 +8,17 @@ import pytest
 import torch
 
 import bst_fast._ops  # noqa: F401  (registers the ops' Python rules)
-from bst_fast import BACKENDS, BeliefStateLoss, TextHead, belief_state_loss
+from bst_fast import BACKENDS, BeliefStateLoss, belief_state_loss
 
-from _helpers import make_inputs
+from _helpers import make_head, make_inputs
 
 B, L, m, V = 3, 11, 5, 7
 BACKENDS_CPU = ["reference", "torch", "cpp"]
+
+
+def _randn(*shape, dtype=torch.float32):
+    """A seeded normal draw: the bad-input cases' values do not matter, but no test draws unseeded."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
 @pytest.fixture
@@ -51,11 +56,11 @@ BAD = {
     "tokens_batch": (lambda x: dict(tokens=x[2][:2]), ValueError, "tokens"),
     "f_not_3d": (lambda x: dict(f=x[0][0], b=x[1][0]), ValueError, r"\bf\b"),
     "b_shape": (lambda x: dict(b=x[1][:, :-1]), ValueError, r"\bb\b"),
-    "b_width": (lambda x: dict(b=torch.randn(B, L, m + 1)), ValueError, r"\bb\b"),
-    "head_d_model": (lambda x: dict(head=TextHead(m + 1, V, hidden=6)), ValueError, "d_model"),
+    "b_width": (lambda x: dict(b=_randn(B, L, m + 1)), ValueError, r"\bb\b"),
+    "head_d_model": (lambda x: dict(head=make_head(m + 1, V, hidden=6)), ValueError, "d_model"),
     "f_int": (lambda x: dict(f=x[0].long(), b=x[1].long()), ValueError, r"\bf\b|dtype"),
     "b_dtype": (lambda x: dict(b=x[1].double()), ValueError, r"\bb\b.*dtype"),
-    "head_dtype": (lambda x: dict(head=TextHead(m, V, hidden=6).double()), ValueError, "head.*dtype"),
+    "head_dtype": (lambda x: dict(head=make_head(m, V, hidden=6).double()), ValueError, "head.*dtype"),
     "head_not_module": (lambda x: dict(head=lambda z: z), ValueError, "head"),
     "lengths_above_L": (lambda x: dict(lengths=torch.tensor([11, 12, 3])), ValueError, r"lengths\[1\].*12"),
     "lengths_negative": (lambda x: dict(lengths=torch.tensor([11, 5, -1])), ValueError, r"lengths\[2\]"),
@@ -155,7 +160,9 @@ def test_unknown_backend_lists_the_choices(inputs):
 def test_bad_head_output():
     """A head whose output is not (..., 2V) is refused."""
     f, b, tokens, _ = make_inputs(B=B, L=L, m=m, V=V, seed=1)
-    odd = torch.nn.Linear(2 * m, 2 * V + 1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        odd = torch.nn.Linear(2 * m, 2 * V + 1)
     with pytest.raises(ValueError, match="head"):
         belief_state_loss(f, b, tokens, odd, backend="torch")
 
@@ -208,17 +215,17 @@ def _op_args(**changes):
 _LIST = dict(row=torch.tensor([0, 1]), i=torch.tensor([0, 2]), j=torch.tensor([3, 6]),
              weight=torch.tensor([0.5, 0.5], dtype=torch.float64))
 OP_BAD = {
-    "A_2d": dict(A=torch.randn(9, 5)),
-    "Bm_shape": dict(Bm=torch.randn(2, 8, 5)),
-    "A_double": dict(A=torch.randn(2, 9, 5, dtype=torch.float64)),
-    "A_half": dict(A=torch.randn(2, 9, 5).half(), Bm=torch.randn(2, 9, 5).half()),
+    "A_2d": dict(A=_randn(9, 5)),
+    "Bm_shape": dict(Bm=_randn(2, 8, 5)),
+    "A_double": dict(A=_randn(2, 9, 5, dtype=torch.float64)),
+    "A_half": dict(A=_randn(2, 9, 5).half(), Bm=_randn(2, 9, 5).half()),
     "no_weights": dict(weights=[], biases=[]),
-    "weights_biases_count": dict(biases=[torch.randn(6)]),
-    "weight_in_width": dict(weights=[torch.randn(6, 4), torch.randn(8, 6)]),
-    "weight_chain": dict(weights=[torch.randn(6, 5), torch.randn(8, 7)]),
-    "bias_width": dict(biases=[torch.randn(5), torch.randn(8)]),
-    "odd_output": dict(weights=[torch.randn(6, 5), torch.randn(7, 6)], biases=[torch.randn(6), torch.randn(7)]),
-    "weight_double": dict(weights=[torch.randn(6, 5).double(), torch.randn(8, 6)]),
+    "weights_biases_count": dict(biases=[_randn(6)]),
+    "weight_in_width": dict(weights=[_randn(6, 4), _randn(8, 6)]),
+    "weight_chain": dict(weights=[_randn(6, 5), _randn(8, 7)]),
+    "bias_width": dict(biases=[_randn(5), _randn(8)]),
+    "odd_output": dict(weights=[_randn(6, 5), _randn(7, 6)], biases=[_randn(6), _randn(7)]),
+    "weight_double": dict(weights=[_randn(6, 5).double(), _randn(8, 6)]),
     "tokens_shape": dict(tokens=torch.zeros(2, 8, dtype=torch.long)),
     "tokens_int32": dict(tokens=torch.zeros(2, 9, dtype=torch.int32)),
     "token_negative": dict(tokens=torch.full((2, 9), -1)),
@@ -254,12 +261,45 @@ def test_pair_loss_op_bad_input(case):
         torch.ops.bst_fast.pair_loss(*_op_args(**OP_BAD[case]))
 
 
-def test_pair_loss_op_good_input_runs():
-    """The base arguments of the cases above are valid: each case breaks exactly one thing."""
-    loss = torch.ops.bst_fast.pair_loss(*_op_args())[0]
-    assert torch.isfinite(loss) and loss > 0
-    loss = torch.ops.bst_fast.pair_loss(*_op_args(**_LIST))[0]
-    assert torch.isfinite(loss) and loss > 0
+def _op_reference(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap, row, i, j,
+                  weight, next_weight, activation, need_grad):
+    """The op's loss in float64 by hand (SPEC §3-§4), pairs by brute force from SPEC §2 when no list
+    is given, and its gradients with respect to A, Bm, the weights and biases by autograd."""
+    assert activation == "gelu"
+    if row is None:
+        pairs = [(r, a, c) for r in range(A.shape[0]) for a in range(A.shape[1]) for c in range(A.shape[1])
+                 if a >= int(prefix_start[r]) and min_gap <= c - a <= max_gap and c <= int(lengths[r]) - 1]
+        row, i, j = (torch.tensor(x) for x in zip(*pairs))
+        w = torch.full((len(pairs),), float(weight), dtype=torch.float64)
+    else:
+        w = weight.double()
+    leaves = [x.detach().double().requires_grad_() for x in (A, Bm, *weights, *biases)]
+    A64, B64, W64, c64 = leaves[0], leaves[1], leaves[2:2 + len(weights)], leaves[2 + len(weights):]
+    h = torch.nn.functional.gelu(A64[row, i] + B64[row, j])
+    for k, (W, c) in enumerate(zip(W64, c64)):
+        h = h @ W.T + c
+        if k + 1 < len(W64):
+            h = torch.nn.functional.gelu(h)
+    V = h.shape[1] // 2
+    ce = torch.nn.functional.cross_entropy
+    per_pair = (next_weight * ce(h[:, :V], tokens[row, i + 1], reduction="none")
+                + (1 - next_weight) * ce(h[:, V:], tokens[row, j - 1], reduction="none"))
+    loss = (w * per_pair).sum()
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["all_pairs", "pair_list"])
+def test_pair_loss_op_good_input_matches_reference(listed):
+    """The base arguments of the cases above are valid (each case breaks exactly one thing), and the op
+    computes on them the loss and gradients of SPEC §4 (float32 against float64: SPEC §6)."""
+    args = _op_args(**(_LIST if listed else {}))
+    loss, dA, dB, dW, dc = torch.ops.bst_fast.pair_loss(*args)
+    ref_loss, ref_grads = _op_reference(*args)
+    assert loss.dtype == torch.float32
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
+    for got, want in zip([dA, dB, *dW, *dc], ref_grads):
+        assert got.shape == want.shape
+        assert (got.double() - want).norm() < 1e-4 * want.norm()
 
 
 SAMPLE_BAD = {
@@ -286,6 +326,7 @@ def test_sample_pairs_op_bad_input(case):
 # crash or a hang fails the test instead of killing the session.
 _PRELUDE = """
 import torch, bst_fast._ops
+torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 A, Bm = torch.randn(2, 9, 5, generator=g), torch.randn(2, 9, 5, generator=g)
 W, c = [torch.randn(8, 5, generator=g)], [torch.randn(8, generator=g)]

@@ -1,6 +1,8 @@
 """Training engine: exact resume, DDP equals one process, checkpoints, config and fault handling."""
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,7 +134,17 @@ def test_star_command_prints_both_accuracies(tmp_path):
     run = subprocess.run([sys.executable, "-m", "bst_fast", "star", "--config", str(TINY),
                           "--set", f"out_dir={tmp_path}"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "| bst |" in run.stdout and "| forward |" in run.stdout
+    # Each method's row holds numbers, and they are the run's last logged values in its metrics.csv.
+    for method in ("bst", "forward"):
+        row = re.search(rf"^\| {method} \| (.+) \| (.+) \| (.+) \|$", run.stdout, re.M)
+        assert row, f"no table row for {method}: {run.stdout}"
+        accuracy, loss, steps_per_s = (float(x) for x in row.groups())
+        assert 0.0 <= accuracy <= 1.0 and math.isfinite(loss) and loss > 0 and steps_per_s > 0
+        logged = {}
+        for line in (tmp_path / method / "metrics.csv").read_text().splitlines()[1:]:
+            _, key, value = line.split(",")
+            logged[key] = float(value)  # the last row of each key wins
+        assert row.group(1) == f"{logged['path_accuracy']:.3f}" and row.group(2) == f"{logged['loss']:.4f}"
     bad = subprocess.run([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", "modle.x=1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "modle.x" in bad.stderr
@@ -146,10 +158,20 @@ def test_text_training_end_to_end(tmp_path):
     docs = [" ".join(words[int(k)] for k in torch.randint(0, len(words), (int(n),), generator=g))
             for n in torch.randint(5, 40, (60,), generator=g)]
     (corpus / "a.txt").write_text("\n\n".join(docs))
-    cfg = tiny(tmp_path / "run", data=str(corpus), text_vocab=300, max_len=24, steps=4, eval_every=4)
+    # A constant learning rate and an evaluation every step: the held-out loss must fall from its
+    # first value (after one step, near the untrained model's log V) well below it.
+    cfg = tiny(tmp_path / "run", data=str(corpus), text_vocab=300, max_len=24, steps=6, eval_every=1,
+               log_every=1, warmup=0, lr=1e-2, min_lr=1e-2)
     result = train(cfg)
-    assert result["held_out_loss"] > 0 and result["loss"] > 0
     assert (tmp_path / "run" / "tokenizer.json").exists()
+    rows = [line.split(",") for line in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]]
+    held_out = [float(v) for _, k, v in rows if k == "held_out_loss"]
+    losses = [float(v) for _, k, v in rows if k == "loss"]
+    assert len(held_out) == len(losses) == 6 and result["held_out_loss"] == held_out[-1]
+    vocab = json.loads((tmp_path / "run" / "checkpoints" / "step-00000006" / "config.json").read_text())["model"]["vocab_size"]
+    assert held_out[0] > math.log(vocab) - 0.5  # an untrained model guesses about uniformly
+    assert held_out[-1] < held_out[0] - 0.3, f"held-out loss did not fall: {held_out}"
+    assert losses[-1] < losses[0] - 0.3, f"training loss did not fall: {losses}"
 
 
 def test_out_dir_holding_a_run_needs_resume_or_overwrite(tmp_path):
