@@ -57,6 +57,7 @@ class PairList:
     suf_off: torch.Tensor  # (B*L + 1,) int64
     # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
     chunks: List[Tuple[int, int, int, int, int, int]]
+    search_steps: int  # binary-search rounds that cover the longest suffix segment
 
 
 def _exclusive_cumsum(counts):
@@ -101,10 +102,13 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
     ib_pad = torch.cat([ib, ib.new_full((pad,), BL)]).reshape(n_chunks, chunk)
     suf_lo = ib_pad.amin(1)
     suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
-    table = torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).cpu().tolist()
+    longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
+    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1),
+                       longest.reshape(1)]).cpu().tolist()
     return PairList(ia=ia.int(), ib=ib.int(), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
                     perm=perm.int(), pre_off=pre_off, suf_off=suf_off,
-                    chunks=[tuple(int(x) for x in row) for row in table])
+                    chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
+                    search_steps=int(table[-1]).bit_length())
 
 
 def _mm_f32(a, b):
@@ -168,7 +172,8 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
                 dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h1, ACT=act_id, BS=cfg["BS"], BK=BK)
         if suf_hi > suf_lo:
             suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(h1, BK))](
-                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, ACT=act_id, BS=cfg["BS"], BK=BK)
+                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, pl.search_steps,
+                ACT=act_id, BS=cfg["BS"], BK=BK)
     # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply back
     s = pl.wscale
     if need:

@@ -7,9 +7,12 @@ objective's. Tests shrink it (or set CHUNK_PAIRS) to put chunk boundaries everyw
 """
 from __future__ import annotations
 
+import os
+
 import triton
 
-CHUNK_BYTES = 128 << 20
+# BST_FAST_CHUNK_MB overrides the default budget of one chunk's working set.
+CHUNK_BYTES = int(os.environ.get("BST_FAST_CHUNK_MB", "128")) << 20
 CHUNK_PAIRS = None  # an int overrides the byte budget (tests)
 
 

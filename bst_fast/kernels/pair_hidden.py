@@ -9,7 +9,7 @@ B). A chunk is the slot range [s0, s0 + n) of that list. With dH the chunk's gra
 
 Prefix segments are contiguous runs of the list. Suffix segments are runs of `perm`, the list's
 slots sorted by (ib, ia); within one, slots increase, so a chunk's part of it is a sub-run that the
-kernel finds by masking. One program owns one segment and one block of hidden units: it sums in a
+kernel finds by binary search. One program owns one segment and one block of hidden units: it sums in a
 fixed order and adds into dA / dB without atomics, so results are bitwise reproducible (chunks run
 one after another on the stream).
 
@@ -64,22 +64,38 @@ def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
 
 
 @triton.jit
-def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h,
+def _first_at_least(perm, lo, hi, x, STEPS):
+    # the first p in [lo, hi) with perm[p] >= x (hi if none): perm is increasing there. A binary
+    # search of STEPS >= log2(hi - lo + 1) rounds; rounds after it has converged change nothing.
+    for _ in range(STEPS):
+        live = lo < hi
+        mid = (lo + hi) // 2
+        below = live & (tl.load(perm + mid, mask=live, other=0) < x)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(live & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
+def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
-    # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]].
-    g = seg_lo + tl.program_id(0)
+    # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]],
+    # increasing; the chunk's part of them is found by binary search, so no program scans slots of
+    # other chunks (a row's suffix segments span every chunk that holds part of the row).
+    c = (seg_lo + tl.program_id(0)).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
-    c = g.to(tl.int64)
-    lo = tl.load(seg_off + g)
-    hi = tl.load(seg_off + g + 1)
+    first = tl.load(seg_off + c)
+    last = tl.load(seg_off + c + 1)
+    lo = _first_at_least(perm, first, last, s0, steps)
+    hi = _first_at_least(perm, lo, last, s0 + n, steps)
     zb = tl.load(Bm + c * h + k, mask=km, other=0.0)
     acc = tl.zeros((BK,), dtype=tl.float32)
     for s in range(lo, hi, BS):
         q = s + tl.arange(0, BS)
-        slot = tl.load(perm + q, mask=q < hi, other=-1)
-        qm = (slot >= s0) & (slot < s0 + n)  # this chunk's part of the segment
+        qm = q < hi
         m2 = qm[:, None] & km[None, :]
+        slot = tl.load(perm + q, mask=qm, other=0)
         a = tl.load(ia + slot, mask=qm, other=0).to(tl.int64) * h
         z = zb[None, :] + tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0)
         d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
