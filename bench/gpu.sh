@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run, under 10 minutes: build, check the chunked backend against float64, time every GPU
+# One GPU run, under 10 minutes: build, check the triton backend against float64, time every GPU
 # backend against the naive materialised objective at the shapes, time a training step,
 # then the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU.
 #

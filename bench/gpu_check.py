@@ -1,4 +1,4 @@
-"""GPU correctness of the chunked backend against the float64 reference (SPEC §6), and its bitwise
+"""GPU correctness of the triton backend against the float64 reference (SPEC §6), and its bitwise
 reproducibility; prints one line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py          # needs a CUDA GPU
@@ -64,8 +64,8 @@ def main():
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
             ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
             for dtype in (torch.float32, torch.bfloat16):
-                l1, g1 = run(f, b, tokens, head, dtype, scale, "chunked", **regen())
-                l2, g2 = run(f, b, tokens, head, dtype, scale, "chunked", **regen())
+                l1, g1 = run(f, b, tokens, head, dtype, scale, "triton", **regen())
+                l2, g2 = run(f, b, tokens, head, dtype, scale, "triton", **regen())
                 same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
                 el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
                 if dtype == torch.float32:

@@ -157,10 +157,9 @@ def run_case(args, T, layers, V, compiled):
 
     reps = args.reps if n_pairs * h * V < 5e10 else 1
     for backend in args.backends:
-        slow = backend == "triton" and n_pairs * h * V > 2e11  # the old fused kernel: seconds per call
         if args.forward:
-            record(f"{backend} fwd", fused(backend, forward_only=True), 1 if slow else reps)
-        record(backend, fused(backend), 1 if slow else reps)
+            record(f"{backend} fwd", fused(backend, forward_only=True), reps)
+        record(backend, fused(backend), reps)
         if T == args.subsample_T and backend == args.backends[0]:
             sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of SPEC §5
             record(f"{backend} pairs=0.02", fused(backend, pairs=0.02, generator=torch.Generator().manual_seed(0)),
@@ -237,7 +236,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, nargs="+", default=[1000])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="bst_fast backends to time (default: cpp on the CPU, chunked and triton on CUDA)")
+                    help="bst_fast backends to time (default: cpp on the CPU, triton on CUDA)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone (no_grad)")
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
@@ -246,7 +245,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = ap.parse_args(argv)
     if args.backends is None:
-        args.backends = ["chunked", "triton"] if args.device == "cuda" else ["cpp"]
+        args.backends = ["triton"] if args.device == "cuda" else ["cpp"]
     if args.mem_limit_gb is None:
         if args.device == "cuda":
             free = torch.cuda.mem_get_info()[0]

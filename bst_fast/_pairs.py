@@ -79,7 +79,7 @@ def pair_chunks(p: Pairs, chunk: int) -> Iterator[tuple]:
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     """k[r] pairs of row r, uniform without replacement (SPEC §5), drawn by the C++ sampler."""
-    from . import _ops
+    from .backends import cpp_backend  # noqa: F401  (the sampler op is registered with the extension)
 
     # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
     # the global RNG; the C++ sampler derives one stream per row from it.

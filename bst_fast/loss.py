@@ -63,10 +63,10 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
         reduction: "mean" (divide by |P|) or "sum".
         generator: the torch.Generator the subsample is drawn from.
-        backend: "auto" (chunked on a GPU, cpp on the CPU, torch for other heads or float64),
-            "reference", "torch", "cpp", "chunked" or "triton" (see bst_fast.backends).
-        deterministic: bitwise-reproducible results from the triton backend (slower); chunked is
-            always reproducible (no atomics), cpp for a fixed thread count.
+        backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
+            "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
+        deterministic: kept for compatibility: triton is always bitwise reproducible (no atomics),
+            cpp for a fixed thread count.
 
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.

@@ -228,7 +228,8 @@ def test_any_head_module(backend, dtype):
 
 def _spy(monkeypatch):
     """Records which backend module computed the loss."""
-    from bst_fast import _ops, _torch, reference
+    from bst_fast import reference
+    from bst_fast.backends import cpp_backend as _ops, torch_backend as _torch
 
     calls = []
     for name, mod in (("cpp", _ops), ("torch", _torch), ("reference", reference)):

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-import bst_fast._ops  # noqa: F401  (registers the ops' Python rules)
+import bst_fast.backends.cpp_backend  # noqa: F401  (registers the ops' Python rules)
 from bst_fast import BACKENDS, BeliefStateLoss, belief_state_loss
 
 from _helpers import make_head, make_inputs
@@ -325,7 +325,7 @@ def test_sample_pairs_op_bad_input(case):
 # Extreme integers, where an unchecked i + max_gap overflows int64: run in a subprocess, so that a
 # crash or a hang fails the test instead of killing the session.
 _PRELUDE = """
-import torch, bst_fast._ops
+import torch, bst_fast.backends.cpp_backend
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 A, Bm = torch.randn(2, 9, 5, generator=g), torch.randn(2, 9, 5, generator=g)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch._dynamo
 
-import bst_fast._ops  # noqa: F401  (registers the fake and autograd rules)
+import bst_fast.backends.cpp_backend  # noqa: F401  (registers the fake and autograd rules)
 from bst_fast import belief_state_loss
 
 from _helpers import make_head, make_inputs, rel_err

@@ -1,7 +1,8 @@
 """The backends of belief_state_loss behind one interface, and the registry the public function
 dispatches through.
 
-Every backend is called as `run(f, b, tokens, head, p, next_weight, vocab_size, options)` with the
+One module per backend: cpp_backend, torch_backend, triton_backend (reference.py, the executable
+spec, sits at the package's top). Every backend is called as `run(f, b, tokens, head, p, next_weight, vocab_size, options)` with the
 checked pair set `p` (`_pairs.Pairs`) and `options` holding `deterministic` and `compute_dtype`
 (the autocast dtype for an fp32 model, or None); it returns the 0-dim loss with autograd attached.
 `unsupported(head, f)` says why a backend cannot take an input (None if it can).
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import os
 
 import torch
 
@@ -44,7 +47,7 @@ def _gpu(name):
 
     def unsupported(head, f):
         # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
-        import os
+
         if not f.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             return (f"backend={name!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
                     "use backend='cpp' on the CPU")
@@ -58,24 +61,18 @@ def _reference(f, b, tokens, head, p, next_weight, V, options):
 
 
 def _torch(f, b, tokens, head, p, next_weight, V, options):
-    from .. import _torch
-    return _torch.pair_loss(f, b, tokens, head, p, next_weight, V)
+    from . import torch_backend
+    return torch_backend.pair_loss(f, b, tokens, head, p, next_weight, V)
 
 
 def _cpp(f, b, tokens, head, p, next_weight, V, options):
-    from .. import _ops
-    return _ops.pair_loss(f, b, tokens, head, p, next_weight)
+    from . import cpp_backend
+    return cpp_backend.pair_loss(f, b, tokens, head, p, next_weight)
 
 
 def _triton(f, b, tokens, head, p, next_weight, V, options):
-    from .. import _triton
-    return _triton.pair_loss(f, b, tokens, head, p, next_weight, deterministic=options["deterministic"],
-                             compute_dtype=options["compute_dtype"])
-
-
-def _chunked(f, b, tokens, head, p, next_weight, V, options):
-    from . import chunked
-    return chunked.pair_loss(f, b, tokens, head, p, next_weight, compute_dtype=options["compute_dtype"])
+    from . import triton_backend
+    return triton_backend.pair_loss(f, b, tokens, head, p, next_weight, compute_dtype=options["compute_dtype"])
 
 
 REGISTRY = {
@@ -84,9 +81,8 @@ REGISTRY = {
         Backend("reference", _reference, _any, "every pair materialised, plain autograd (the executable spec)"),
         Backend("torch", _torch, _any, "any head module, pairs in chunks through torch autograd"),
         Backend("cpp", _cpp, _fused("cpp"), "the C++ pair-tile engine (CPU)"),
-        Backend("chunked", _chunked, _gpu("chunked"),
+        Backend("triton", _triton, _gpu("triton"),
                 "GPU: chunks of pairs, cuBLAS GEMMs with Triton gather, cross-entropy and reduction kernels"),
-        Backend("triton", _triton, _gpu("triton"), "GPU: one fused Triton kernel per call (pair tiles, atomics)"),
     )
 }
 
@@ -94,7 +90,7 @@ REGISTRY = {
 def pick(backend: str, head, f) -> Backend:
     """The named backend, or for "auto" the fastest one that takes this head, dtype and device."""
     if backend == "auto":
-        order = ("chunked", "torch") if f.is_cuda else ("cpp", "torch")
+        order = ("triton", "torch") if f.is_cuda else ("cpp", "torch")
         for name in order:
             if REGISTRY[name].unsupported(head, f) is None:
                 return REGISTRY[name]

@@ -1,4 +1,4 @@
-"""The "chunked" GPU backend: all pairs in chunks of tens of thousands, the head's matrix products on
+"""The "triton" GPU backend: all pairs in chunks of tens of thousands, the head's matrix products on
 the tensor cores (cuBLAS through torch), the per-pair work in Triton kernels (SPEC §3-§4).
 
 Per chunk of n pairs (slots [s0, s0 + n) of the sorted pair list, see `PairList`), with es the
@@ -147,7 +147,7 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     for s0, n, pre_lo, pre_hi, suf_lo, suf_hi in pl.chunks:
         H = torch.empty(n, h1, dtype=dtype, device=dev)
         pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h1, BK))](
-            A, Bm, pl.ia, pl.ib, H, s0, n, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up)
+            A, Bm, pl.ia, pl.ib, H, s0, n, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up, num_warps=cfg["hidden_warps"])
         Hs, Zs = [H], []
         for w, c in zip(weights[:-1], biases[:-1]):
             Zs.append(torch.addmm(c, Hs[-1], w.t()))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
-from ._pairs import Pairs
+from .. import _C  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
+from .._pairs import Pairs
 
 
 @torch.library.register_fake("bst_fast::pair_loss")

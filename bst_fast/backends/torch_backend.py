@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._pairs import Pairs, labels, pair_chunks
+from .._pairs import Pairs, labels, pair_chunks
 
 # Elements of the (chunk, 2m + 2V + hidden) working set; about 128 MB of float32.
 _CHUNK_ELEMENTS = 1 << 25
