@@ -48,7 +48,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
                       pairs=None, next_weight: float = 0.5, reduction: str = "mean",
                       generator: Optional[torch.Generator] = None, backend: str = "auto",
                       deterministic: bool = False) -> torch.Tensor:
-    """The Belief State Transformer objective over prefix/suffix pairs (SPEC §2-§5).
+    """The Belief State Transformer objective over prefix/suffix pairs (docs/contract.md §2-§5).
 
     Args:
         f: (B, L, m) forward-encoder states; f[r, i] has read tokens[r, :i+1].
@@ -59,7 +59,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         prefix_start: an int or (B,): the first prefix position i trained on.
         min_gap, max_gap: the pair's j - i lies in [min_gap, max_gap]; min_gap >= 2, max_gap None is no limit.
         pairs: None (all pairs), a float fraction or an int count of pairs per row (unbiased subsample,
-            SPEC §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
+            docs/contract.md §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
         reduction: "mean" (divide by |P|) or "sum".
         generator: the torch.Generator the subsample is drawn from.
@@ -78,11 +78,11 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, op_checks=chosen.name == "cpp")
+                       generator=generator, op_checks=chosen.name in ("cpp", "triton"))
     tokens = tokens.long()
     if chosen.name in ("reference", "torch"):
         return chosen.run(f, b, tokens, head, p, next_weight, V, {})
-    # The fused engines choose their own precision (SPEC §6); autocast must not recast inside them.
+    # The fused engines choose their own precision (docs/contract.md §6); autocast must not recast inside them.
     # Under CUDA autocast the GPU kernels take the autocast dtype for their matrix operands (fp32
     # accumulation), as the materialised head would.
     autocast_dtype = (torch.get_autocast_dtype("cuda")

@@ -42,6 +42,46 @@ def test_opcheck_pair_loss_no_grad_and_three_layers():
     torch.library.opcheck(torch.ops.bst_fast.pair_loss.default, op_args(True, seed=2, requires_grad=False, n_hidden=3))
 
 
+def _on_device(args):
+    """op_args on the device the triton op runs on: the GPU, or the CPU under TRITON_INTERPRET=1."""
+    if not torch.cuda.is_available():
+        return args
+    move = lambda x: x.detach().cuda().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x
+    return tuple([move(y) for y in x] if isinstance(x, list) else move(x) for x in args)
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["all_pairs", "pair_list"])
+def test_opcheck_triton_pair_loss(listed):
+    """The GPU op shares the C++ op's schema, fake and autograd rules, and passes the same checks."""
+    pytest.importorskip("triton")
+    import bst_fast.backends.triton_backend  # noqa: F401  (defines the op)
+    torch.library.opcheck(torch.ops.bst_fast.triton_pair_loss.default, _on_device(op_args(listed, seed=4 + listed)))
+    torch.library.opcheck(torch.ops.bst_fast.triton_pair_loss.default,
+                          _on_device(op_args(True, seed=6, requires_grad=False, n_hidden=3)))
+
+
+def test_triton_op_matches_cpp_op():
+    """Same schema, same numbers: the two engines agree on loss and every gradient (float32)."""
+    pytest.importorskip("triton")
+    import bst_fast.backends.triton_backend  # noqa: F401
+    args = op_args(True, seed=7)
+    cpp = torch.ops.bst_fast.pair_loss(*args)
+    tri = torch.ops.bst_fast.triton_pair_loss(*_on_device(args))
+    flat = lambda out: [out[0], out[1], out[2], *out[3], *out[4]]
+    for x, y in zip(flat(tri), flat(cpp)):
+        assert x.dtype == torch.float32 and rel_err(x.cpu(), y) < 1e-5
+
+
+def test_triton_op_checks_values():
+    """Called directly (as a compiled graph calls it), the op still rejects an invalid pair."""
+    pytest.importorskip("triton")
+    import bst_fast.backends.triton_backend  # noqa: F401
+    args = list(op_args(True, seed=8))
+    args[11] = torch.tensor([2, 8, 5, 4, 9])  # j = 9 is past the row
+    with pytest.raises(ValueError, match="not a valid pair"):
+        torch.ops.bst_fast.triton_pair_loss(*_on_device(tuple(args)))
+
+
 def test_opcheck_sample_pairs():
     args = (torch.tensor([9, 6, 0]), torch.tensor([0, 1, 0]), 2, 5, torch.tensor([4, 2, 0]), 123)
     torch.library.opcheck(torch.ops.bst_fast.sample_pairs.default, args,
@@ -103,13 +143,18 @@ def _loss_and_grads(fn, f, b, head):
     return loss.detach(), grads
 
 
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
 @pytest.mark.parametrize("explicit", [False, True], ids=["all_pairs", "explicit_pairs"])
-def test_compile_fullgraph(explicit):
-    """belief_state_loss with backend="cpp" traces as one graph (fullgraph=True) and matches eager."""
+def test_compile_fullgraph(explicit, backend):
+    """belief_state_loss with a fused backend traces as one graph (fullgraph=True) and matches eager."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the CPU inputs below run the triton op through the interpreter only")
     torch._dynamo.reset()
     f, b, tokens, head = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=20)
     lengths = torch.tensor([13, 8, 11])
-    opts = dict(lengths=lengths, prefix_start=1, next_weight=0.3, backend="cpp")
+    opts = dict(lengths=lengths, prefix_start=1, next_weight=0.3, backend=backend)
     if explicit:
         opts["pairs"] = (torch.tensor([0, 2, 1, 0]), torch.tensor([1, 3, 2, 5]), torch.tensor([4, 10, 7, 12]))
 

@@ -1,20 +1,11 @@
-"""The "cpp" backend: the registered ops bst_fast::pair_loss / sample_pairs, their fake and autograd rules."""
+"""The "cpp" backend: the C++ ops bst_fast::pair_loss / sample_pairs and their fake and autograd rules."""
 from __future__ import annotations
 
 import torch
 
 from .. import _C  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
 from .._pairs import Pairs
-
-
-@torch.library.register_fake("bst_fast::pair_loss")
-def _pair_loss_fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
-                    row, i, j, weight, next_weight, activation, need_grad):
-    if not need_grad:  # the op returns empty gradients then
-        return (A.new_empty(()), A.new_empty(0), A.new_empty(0), [A.new_empty(0) for _ in weights],
-                [A.new_empty(0) for _ in biases])
-    return (A.new_empty(()), torch.empty_like(A), torch.empty_like(Bm),
-            [torch.empty_like(w) for w in weights], [torch.empty_like(c) for c in biases])
+from . import pair_loss_op
 
 
 @torch.library.register_fake("bst_fast::sample_pairs")
@@ -23,23 +14,7 @@ def _sample_pairs_fake(lengths, prefix_start, min_gap, max_gap, k, seed):
     return tuple(lengths.new_empty(n) for _ in range(3))
 
 
-def _setup_context(ctx, inputs, output):
-    _, dA, dB, dW, dc = output
-    ctx.n_layers = len(dW)
-    ctx.save_for_backward(dA, dB, *dW, *dc)
-
-
-def _backward(ctx, grad_loss, *_):
-    # The op computed its gradients in the forward pass; the chain rule only scales them.
-    dA, dB, *rest = ctx.saved_tensors
-    if dA.numel() == 0:
-        raise RuntimeError("bst_fast::pair_loss ran with need_grad=False: it computed no gradient to return")
-    n = ctx.n_layers
-    return (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]],
-            [grad_loss * c for c in rest[n:]]) + (None,) * 12
-
-
-torch.library.register_autograd("bst_fast::pair_loss", _backward, setup_context=_setup_context)
+pair_loss_op.register("bst_fast::pair_loss")
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):

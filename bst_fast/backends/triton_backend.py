@@ -19,17 +19,21 @@ no atomics anywhere (every sum has one owner and a fixed order: bitwise reproduc
 bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
 
 The loss is the graph's last node, so the forward computes every gradient and the backward only
-scales by grad_output (as the cpp backend does): no logits are recomputed.
+scales by grad_output (as the cpp backend does): no logits are recomputed. The work is the op
+bst_fast::triton_pair_loss, with the C++ op's schema and rules (pair_loss_op), so that opcheck and
+torch.compile(fullgraph=True) see it as one opaque node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 
+from .. import _pairs
 from .._pairs import Pairs, prefix_counts
+from . import pair_loss_op
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import pair_cross_entropy_kernel
@@ -184,33 +188,41 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     return loss * s, dA, dB, dW, dc
 
 
-class _ChunkedLoss(torch.autograd.Function):
-    """loss(A, B, later layers): the forward computes every gradient, the backward scales them."""
+@torch.library.custom_op("bst_fast::triton_pair_loss", mutates_args=())
+def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor],
+                     tokens: torch.Tensor, lengths: torch.Tensor, prefix_start: torch.Tensor, min_gap: int,
+                     max_gap: int, row: Optional[torch.Tensor], i: Optional[torch.Tensor],
+                     j: Optional[torch.Tensor], weight: torch.Tensor, next_weight: float, activation: str,
+                     need_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor],
+                                                List[torch.Tensor]]:
+    """The GPU pair-loss op, with the schema of bst_fast::pair_loss (see pair_loss_op). The layers'
+    dtype (weights and biases share one) is the matrix operands' compute dtype."""
+    if activation not in ACT:
+        raise ValueError(f"activation must be one of {tuple(ACT)}, got {activation!r}")
+    dtype = weights[-1].dtype
+    if any(t.dtype != dtype for t in (*weights, *biases)):
+        raise ValueError(f"weights and biases must share one dtype, got {[t.dtype for t in (*weights, *biases)]}")
+    Bn, L, h1 = A.shape
+    V = weights[-1].shape[0] // 2
+    # The values are checked here, inside the op, so that a compiled graph (which skips the checks
+    # of belief_state_loss) still rejects bad input.
+    _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
+                   max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
+                   reduction="sum", generator=None)
+    p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
+              scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
+              weight=None if row is None else weight)
+    cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
+    pl = pair_list(p, Bn, L, cfg["chunk"])
+    loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, [w.contiguous() for w in weights],
+                               [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype)
+    if not need_grad:
+        empty = lambda: A.new_empty(0)
+        return loss, empty(), empty(), [empty() for _ in weights], [empty() for _ in biases]
+    return loss, dA, dB, dW, dc
 
-    @staticmethod
-    def forward(ctx, A, Bm, tokens, p, lam, act_name, dtype, need, *params):
-        Bn, L, _ = A.shape
-        weights = [w.detach().to(dtype).contiguous() for w in params[0::2]]
-        biases = [c.detach().to(dtype).contiguous() for c in params[1::2]]
-        V = weights[-1].shape[0] // 2
-        cfg = chunk_config(A.device.type, V, [A.shape[-1]] + [w.shape[0] for w in weights[:-1]], dtype)
-        pl = pair_list(p, Bn, L, cfg["chunk"])
-        loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, weights, biases, act_name, lam, need, dtype)
-        ctx.need = need
-        ctx.dtypes = [q.dtype for q in params]
-        if need:
-            ctx.save_for_backward(dA, dB, *[g for pair in zip(dW, dc) for g in pair])
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if not ctx.need:
-            return (None,) * (8 + len(ctx.dtypes))
-        dA, dB, *gp = ctx.saved_tensors
-        gA = grad_loss * dA if ctx.needs_input_grad[0] else None
-        gB = grad_loss * dB if ctx.needs_input_grad[1] else None
-        out = [(grad_loss * g).to(dt) if n else None for g, dt, n in zip(gp, ctx.dtypes, ctx.needs_input_grad[8:])]
-        return (gA, gB, None, None, None, None, None, None, *out)
+pair_loss_op.register("bst_fast::triton_pair_loss")
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=None):
@@ -220,7 +232,11 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=No
     compute_dtype: the matrix products' operand type (default f's dtype; bf16 under autocast for an
     fp32 model). Returns a 0-dim float32 loss."""
     A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
-    params = [q for layer in head.layers[1:] for q in (layer.weight, layer.bias)]
-    # Decided here, not in forward: inside forward grad mode is off and needs_input_grad ignores it.
-    need = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *params))
-    return _ChunkedLoss.apply(A, Bm, tokens, p, next_weight, head.activation, compute_dtype or f.dtype, need, *params)
+    dtype = compute_dtype or f.dtype
+    weights = [layer.weight.to(dtype) for layer in head.layers[1:]]  # autograd casts dW back
+    biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
+    weight = p.scale if p.row is None else p.weight
+    return torch.ops.bst_fast.triton_pair_loss(A, Bm, weights, biases, tokens, p.lengths, p.prefix_start,
+                                               p.min_gap, p.max_gap, p.row, p.i, p.j, weight,
+                                               float(next_weight), head.activation, need_grad)[0]

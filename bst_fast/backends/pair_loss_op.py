@@ -1,0 +1,47 @@
+"""The rules shared by the pair-loss ops of the fused backends (bst_fast::pair_loss in C++ for the
+CPU, bst_fast::triton_pair_loss in Python for the GPU), which share one schema:
+
+    (A, Bm, weights[], biases[], tokens, lengths, prefix_start, min_gap, max_gap, row?, i?, j?,
+     weight, next_weight, activation, need_grad) -> (loss, dA, dB, dW[], dc[])
+
+A, Bm: (B, L, h1) float32, the split first layer (docs/contract.md §3); weights/biases: the layers
+after it (the last one (2V, hL)); row/i/j: None for all pairs (then weight is the 0-dim scale of
+every pair) or an explicit list with one weight per pair. The op returns the loss and, with
+need_grad, every gradient in float32 (empty tensors without); autograd only scales them by
+grad_output, since the loss is the graph's last node.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
+         row, i, j, weight, next_weight, activation, need_grad):
+    f32 = dict(dtype=torch.float32)
+    if not need_grad:  # the op returns empty gradients then
+        return (A.new_empty((), **f32), A.new_empty(0, **f32), A.new_empty(0, **f32),
+                [A.new_empty(0, **f32) for _ in weights], [A.new_empty(0, **f32) for _ in biases])
+    return (A.new_empty((), **f32), A.new_empty(A.shape, **f32), A.new_empty(Bm.shape, **f32),
+            [w.new_empty(w.shape, **f32) for w in weights], [c.new_empty(c.shape, **f32) for c in biases])
+
+
+def _setup_context(ctx, inputs, output):
+    _, dA, dB, dW, dc = output
+    ctx.n_layers = len(dW)
+    ctx.save_for_backward(dA, dB, *dW, *dc)
+
+
+def _backward(ctx, grad_loss, *_):
+    # The op computed its gradients in the forward pass; the chain rule only scales them.
+    dA, dB, *rest = ctx.saved_tensors
+    if dA.numel() == 0:
+        raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
+    n = ctx.n_layers
+    return (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]],
+            [grad_loss * c for c in rest[n:]]) + (None,) * 12
+
+
+def register(qualname: str):
+    """Attach the fake (shapes) and autograd rules to one of the pair-loss ops."""
+    torch.library.register_fake(qualname)(fake)
+    torch.library.register_autograd(qualname, _backward, setup_context=_setup_context)
