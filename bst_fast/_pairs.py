@@ -1,4 +1,4 @@
-"""Pair set, labels, weights and input checks of SPEC §2, §4 and §5: the shared math every backend calls."""
+"""Pair set, labels, weights and input checks of docs/contract.md §2, §4 and §5: the shared math every backend calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ REDUCTIONS = ("mean", "sum")
 class Pairs:
     """A batch's pair set after checking: every backend reads the same object.
 
-    `row is None` means all pairs of SPEC §2 (the implicit triangle), each weighted by `scale`.
+    `row is None` means all pairs of docs/contract.md §2 (the implicit triangle), each weighted by `scale`.
     Otherwise `(row, i, j)` lists the pairs, each weighted by `weight` (subsampling estimator or
     the plain mean of explicit pairs).
     """
@@ -44,7 +44,7 @@ def pair_counts(lengths, prefix_start, min_gap, max_gap, L):
 
 
 def pair_mask(lengths, prefix_start, min_gap, max_gap, L):
-    """(B, L, L) bool: mask[r, i, j] is True exactly for (i, j) in P_r (SPEC §2)."""
+    """(B, L, L) bool: mask[r, i, j] is True exactly for (i, j) in P_r (docs/contract.md §2)."""
     i = torch.arange(L, device=lengths.device)[None, :, None]
     j = torch.arange(L, device=lengths.device)[None, None, :]
     gap = j - i
@@ -57,7 +57,7 @@ def pair_mask(lengths, prefix_start, min_gap, max_gap, L):
 
 
 def labels(tokens, row, i, j):
-    """Next label tokens[r, i+1] and Prev label tokens[r, j-1] of each pair (SPEC §2)."""
+    """Next label tokens[r, i+1] and Prev label tokens[r, j-1] of each pair (docs/contract.md §2)."""
     return tokens[row, i + 1], tokens[row, j - 1]
 
 
@@ -78,7 +78,7 @@ def pair_chunks(p: Pairs, chunk: int) -> Iterator[tuple]:
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
-    """k[r] pairs of row r, uniform without replacement (SPEC §5), drawn by the C++ sampler."""
+    """k[r] pairs of row r, uniform without replacement (docs/contract.md §5), drawn by the C++ sampler."""
     from .backends import cpp_backend  # noqa: F401  (the sampler op is registered with the extension)
 
     # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
@@ -201,7 +201,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if checking and not bool(ok.all()):
             k = int((~ok).nonzero()[0])
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
-                              f"SPEC §2 needs 0 <= row < {B}, prefix_start <= i and "
+                              f"docs/contract.md §2 needs 0 <= row < {B}, prefix_start <= i and "
                               f"i + min_gap <= j <= min(i + max_gap, lengths[row] - 1)")
         w = 1.0 / row.numel() if reduction == "mean" else 1.0
         weight = torch.full((row.numel(),), w, dtype=torch.float64, device=dev)
@@ -219,7 +219,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         k = torch.full_like(counts, pairs)
     k = torch.minimum(k, counts)
     row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
-    # SPEC §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
+    # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
     weight = counts[row].double() / k[row].double()
     if reduction == "mean":
         weight = weight / total.double()

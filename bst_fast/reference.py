@@ -1,4 +1,4 @@
-"""The executable spec: the belief-state loss with every pair materialised, plain autograd (SPEC §2-§5)."""
+"""The executable spec: the belief-state loss with every pair materialised, plain autograd (docs/contract.md §2-§5)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-// bst_fast: the fused pair-tile engine of the belief-state loss on the CPU (SPEC §2-§5).
+// bst_fast: the fused pair-tile engine of the belief-state loss on the CPU (docs/contract.md §2-§5).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +11,7 @@
 
 namespace bst_fast {
 
-// The pair set of one row (SPEC §2), prefix by prefix: calls fn(i, j0, n) for every prefix i with
+// The pair set of one row (docs/contract.md §2), prefix by prefix: calls fn(i, j0, n) for every prefix i with
 // pairs, whose suffixes are j = j0 .. j0 + n - 1. Gaps beyond the row's length change nothing, so
 // they and the start are clamped first: no index sum below can overflow, whatever the arguments.
 template <typename F>
@@ -28,13 +28,13 @@ using PairLossResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>;
 
 // The loss over pairs (i, j) with hidden state act(A[r, i] + Bm[r, j]) fed through the remaining
-// head layers `weights`/`biases` (SPEC §3), and, when need_grad, its gradients with respect to
+// head layers `weights`/`biases` (docs/contract.md §3), and, when need_grad, its gradients with respect to
 // A, Bm, weights and biases, all computed in one pass over tiles of pairs (without need_grad the
 // gradients come back empty, shape (0,)).
 //   A, Bm:     (B, L, h1) float32: the split first layer, A = f W1f^T + c1, Bm = b W1b^T.
 //   weights:   (h2, h1), ..., (2V, h_last) float32; biases: (h2), ..., (2V).
 //   tokens:    (B, L) int64; lengths, prefix_start: (B,) int64.
-//   row, i, j: a pair list (n,) int64, or all absent for all pairs of SPEC §2.
+//   row, i, j: a pair list (n,) int64, or all absent for all pairs of docs/contract.md §2.
 //   weight:    () scale of every pair (all pairs) or (n,) per-pair weights.
 PairLossResult pair_loss(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weights,
                          at::TensorList biases, const at::Tensor& tokens,
@@ -44,7 +44,7 @@ PairLossResult pair_loss(const at::Tensor& A, const at::Tensor& Bm, at::TensorLi
                          const at::Tensor& weight, double next_weight,
                          const std::string& activation, bool need_grad);
 
-// k[r] pairs of row r drawn uniformly without replacement from P_r (SPEC §5), sorted by (i, j);
+// k[r] pairs of row r drawn uniformly without replacement from P_r (docs/contract.md §5), sorted by (i, j);
 // one random stream per row, derived from seed, so the draw does not depend on thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& lengths,
                                                             const at::Tensor& prefix_start,

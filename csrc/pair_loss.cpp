@@ -1,7 +1,7 @@
 // The fused pair-tile engine: loss and gradients of the belief-state objective without a pair tensor.
 //
 // Per tile of TP pairs (one thread owns a tile; every buffer below is per thread):
-//   z1 = A[r,i] + Bm[r,j]                          (TP, h1)   the split first layer, SPEC §3
+//   z1 = A[r,i] + Bm[r,j]                          (TP, h1)   the split first layer, docs/contract.md §3
 //   h_k = act(z_k),  z_{k+1} = h_k W_k^T + c_k      hidden layers
 //   x = h_last W_n^T + c_n                           (TP, 2V)   Next logits | Prev logits
 //   loss += sum_p w_p (lam CE(x_next, y_next) + (1 - lam) CE(x_prev, y_prev))
@@ -77,7 +77,7 @@ at::Tensor act_backward(Act act, const at::Tensor& dh, const at::Tensor& z) {
 }
 
 // The pair set as a walkable sequence: either an explicit list or the implicit triangle of
-// SPEC §2, stored as one segment (r, i, j0, n) per prefix, so a tile is a range of flat indices.
+// docs/contract.md §2, stored as one segment (r, i, j0, n) per prefix, so a tile is a range of flat indices.
 struct PairWalk {
   const int64_t *row = nullptr, *pi = nullptr, *pj = nullptr;
   std::vector<int64_t> seg_r, seg_i, seg_j0, seg_start;  // seg_start has one extra end entry
@@ -230,7 +230,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       TORCH_CHECK(r >= 0 && r < B && i >= 0 && i < L && j >= 0 && j < L && i >= ps[r] &&
                       j - i >= min_gap && j - i <= max_gap && j <= len[r] - 1,
                   "pair ", p, " = (row=", r, ", i=", i, ", j=", j,
-                  ") is not a valid pair of SPEC §2");
+                  ") is not a valid pair of docs/contract.md §2");
     }
   } else {
     TORCH_CHECK(weight.dim() == 0, "weight must be a 0-dim scale for all pairs, got ",

@@ -1,4 +1,4 @@
-// The SPEC §5 subsampler: k_r pairs of row r, uniform without replacement, by Floyd's algorithm.
+// The docs/contract.md §5 subsampler: k_r pairs of row r, uniform without replacement, by Floyd's algorithm.
 //
 // Floyd's algorithm draws a uniform k-subset of {0, ..., n-1} with exactly k random draws; the flat
 // index of a pair counts pairs in (i, j) order, so scanning the chosen indices in order yields the

@@ -263,7 +263,7 @@ def test_pair_loss_op_bad_input(case):
 
 def _op_reference(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap, row, i, j,
                   weight, next_weight, activation, need_grad):
-    """The op's loss in float64 by hand (SPEC §3-§4), pairs by brute force from SPEC §2 when no list
+    """The op's loss in float64 by hand (docs/contract.md §3-§4), pairs by brute force from docs/contract.md §2 when no list
     is given, and its gradients with respect to A, Bm, the weights and biases by autograd."""
     assert activation == "gelu"
     if row is None:
@@ -291,7 +291,7 @@ def _op_reference(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap
 @pytest.mark.parametrize("listed", [False, True], ids=["all_pairs", "pair_list"])
 def test_pair_loss_op_good_input_matches_reference(listed):
     """The base arguments of the cases above are valid (each case breaks exactly one thing), and the op
-    computes on them the loss and gradients of SPEC §4 (float32 against float64: SPEC §6)."""
+    computes on them the loss and gradients of docs/contract.md §4 (float32 against float64: docs/contract.md §6)."""
     args = _op_args(**(_LIST if listed else {}))
     loss, dA, dB, dW, dc = torch.ops.bst_fast.pair_loss(*args)
     ref_loss, ref_grads = _op_reference(*args)

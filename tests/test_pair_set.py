@@ -1,9 +1,9 @@
-"""The pair set (SPEC §2) and the subsampler (SPEC §5) against a brute-force enumeration written from
+"""The pair set (docs/contract.md §2) and the subsampler (docs/contract.md §5) against a brute-force enumeration written from
 the definition, never through `_pairs.prepare`, `pair_mask` or `pair_counts`.
 
 Every backend reads its pairs from `prepare`, so an error in `prepare` (the gap clipping, the scale,
 the weights) moves all of them together and comparisons between backends cannot see it. Here the
-pair set comes from nested loops over (i, j) with each rule of SPEC §2 spelled out."""
+pair set comes from nested loops over (i, j) with each rule of docs/contract.md §2 spelled out."""
 import copy
 
 import pytest
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def enumerate_pairs(lengths, prefix_start, min_gap, max_gap, L):
-    """P = [(r, i, j), ...] in (r, i, j) order, from SPEC §2 read literally:
+    """P = [(r, i, j), ...] in (r, i, j) order, from docs/contract.md §2 read literally:
 
     - i and j are positions of the (B, L) batch: 0 <= i < L, 0 <= j < L;
     - the prefix starts at or after the row's prefix_start: i >= s_r;
@@ -160,7 +160,7 @@ def loss_cases():
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_all_pairs_sum_equals_brute_force_explicit_pairs(backend, seed, loss_cases):
     """Every backend's all-pairs reduction="sum" loss equals the float64 loss over the brute-force
-    list passed as explicit pairs (SPEC §6: float32 within 1e-5)."""
+    list passed as explicit pairs (docs/contract.md §6: float32 within 1e-5)."""
     f, b, tokens, head, opts, want = loss_cases[seed]
     try:
         with torch.no_grad():
@@ -175,7 +175,7 @@ def test_all_pairs_sum_equals_brute_force_explicit_pairs(backend, seed, loss_cas
 
 
 # --------------------------------------------------------------------------------------------
-# The subsampler's bias (SPEC §5)
+# The subsampler's bias (docs/contract.md §5)
 
 # Row kinds (length, prefix_start), each repeated N times in one batch: every row draws its own
 # subsample, so the repeats are independent draws.

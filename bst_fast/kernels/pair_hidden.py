@@ -41,6 +41,15 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h,
 
 
 @triton.jit
+def _dz1_sum(dH, M, m_rows, z_fixed, slots, s0, h, k, m2, ACT: tl.constexpr):
+    # sum over a block of slots of dH[slot - s0] * act'(z1), z1 = z_fixed (the segment's own A or B
+    # row) + M[m_rows] (the other side's rows, gathered): the segment kernels' shared inner step.
+    z = z_fixed[None, :] + tl.load(M + m_rows[:, None] + k[None, :], mask=m2, other=0.0)
+    d = tl.load(dH + (slots - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+    return tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+
+
+@triton.jit
 def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
@@ -57,9 +66,7 @@ def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
         qm = q < hi
         m2 = qm[:, None] & km[None, :]
         b = tl.load(ib + q, mask=qm, other=0).to(tl.int64) * h
-        z = za[None, :] + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0)
-        d = tl.load(dH + (q - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+        acc += _dz1_sum(dH, Bm, b, za, q, s0, h, k, m2, ACT)
     tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + acc, mask=km)
 
 
@@ -97,7 +104,5 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps
         m2 = qm[:, None] & km[None, :]
         slot = tl.load(perm + q, mask=qm, other=0)
         a = tl.load(ia + slot, mask=qm, other=0).to(tl.int64) * h
-        z = zb[None, :] + tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0)
-        d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+        acc += _dz1_sum(dH, A, a, zb, slot, s0, h, k, m2, ACT)
     tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + acc, mask=km)
