@@ -78,7 +78,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, op_checks=chosen.name == "cpp")
+                       generator=generator, op_checks=chosen.name in ("cpp", "triton"))
     tokens = tokens.long()
     if chosen.name in ("reference", "torch"):
         return chosen.run(f, b, tokens, head, p, next_weight, V, {})
