@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One GPU run, under 10 minutes: build, check the triton backend against float64, time every GPU
-# backend against the naive materialised objective at the issue's shapes, time a training step,
-# then the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU.
+# One GPU run, under 10 minutes (QUICK=1: about 4): build, check the triton backend against
+# float64, time it against the naive materialised objective at the GPU issue's shapes, time a
+# training step, then the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR),
+# named after the GPU. Steps are ordered by what matters most, each under its own timeout.
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
+#   QUICK=1 bash bench/gpu.sh    # no torch.compile column, no subsampling rows, fewer repeats
 #
-# Every step runs under its own timeout even if an earlier one failed; the exit status is nonzero if any did.
+# Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -13,6 +15,7 @@ unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
 name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
     echo "bench/gpu.sh: no CUDA device visible to torch" >&2; exit 1; }
 out=${RESULTS_DIR:-bench/results}
+quick=${QUICK:-0}
 mkdir -p "$out"
 status=0
 step() {  # step <seconds> <log name> <command...>
@@ -21,13 +24,18 @@ step() {  # step <seconds> <log name> <command...>
     timeout "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
 }
 
-step 150 build python3 setup.py build_ext --inplace
+# The C++ extension (the subsampler) builds in the background while the first timings run.
+(timeout 150 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1) & build=$!
+P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T 0"
+[ "$quick" = 1 ] && P="$P --reps 5 --no-compile" || P="$P --reps 7"
+step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
+step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
+wait $build || { echo "!! build failed"; status=1; }
 step 120 check python3 bench/gpu_check.py
-P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --reps 5"
-step 150 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
-step 90 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
-step 90 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
-step 90 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
-step 150 tests python3 -m pytest -m cuda -q -x tests
+step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
+step 60 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
+[ "$quick" = 1 ] || step 90 subsample python3 bench/pairs.py --device cuda --dtype bfloat16 --no-compile --reps 7 \
+    --batch 32 --T 256 --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
+step 150 tests python3 -m pytest -m cuda -q tests/test_triton.py tests/test_belief_state_loss.py
 exit $status

@@ -272,28 +272,27 @@ def main(argv=None):
 
     # The targets, from numbers of this one run.
     summary = []
-    for layers in args.layers:
-        for V in args.vocab:
-            at = {r["method"]: r for r in rows if r["T"] == args.subsample_T and r["layers"] == layers
-                  and r["V"] == V and "seconds" in r}
-            for backend in args.backends:
-                fused = at.get(backend)
-                if not fused:
-                    continue
-                s = dict(T=args.subsample_T, layers=layers, V=V, backend=backend, mm_gflops=rates[V],
-                         fraction_of_mm=fused["gflops"] / rates[V])
-                if "peak" in rates:
-                    s["fraction_of_peak_mm"] = fused["gflops"] / rates["peak"]
-                if "materialised" in at:
-                    s["speedup_vs_materialised"] = at["materialised"]["seconds"] / fused["seconds"]
-                    s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
-                if "torch.compile" in at:
-                    s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
-                if f"{backend} pairs=0.02" in at:
-                    s["subsample_time_fraction"] = at[f"{backend} pairs=0.02"]["seconds"] / fused["seconds"]
-                if f"{backend} fwd" in at and "materialised fwd" in at:
-                    s["forward_speedup_vs_materialised"] = at["materialised fwd"]["seconds"] / at[f"{backend} fwd"]["seconds"]
-                summary.append(s)
+    for layers, V, T in ((a, b, c) for a in args.layers for b in args.vocab for c in args.T):
+        at = {r["method"]: r for r in rows if r["T"] == T and r["layers"] == layers
+              and r["V"] == V and "seconds" in r}
+        for backend in args.backends:
+            fused = at.get(backend)
+            if not fused:
+                continue
+            s = dict(T=T, layers=layers, V=V, backend=backend, mm_gflops=rates[V],
+                     fraction_of_mm=fused["gflops"] / rates[V])
+            if "peak" in rates:
+                s["fraction_of_peak_mm"] = fused["gflops"] / rates["peak"]
+            if "materialised" in at:
+                s["speedup_vs_materialised"] = at["materialised"]["seconds"] / fused["seconds"]
+                s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
+            if "torch.compile" in at:
+                s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
+            if f"{backend} pairs=0.02" in at:
+                s["subsample_time_fraction"] = at[f"{backend} pairs=0.02"]["seconds"] / fused["seconds"]
+            if f"{backend} fwd" in at and "materialised fwd" in at:
+                s["forward_speedup_vs_materialised"] = at["materialised fwd"]["seconds"] / at[f"{backend} fwd"]["seconds"]
+            summary.append(s)
 
     print("\n| method | T | layers | V | ms | pairs/s | GFLOP/s | peak MB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
