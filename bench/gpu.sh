@@ -34,6 +34,7 @@ wait $build || { echo "!! build failed"; status=1; }
 step 120 check python3 bench/gpu_check.py
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
+step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"
 step 60 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
 [ "$quick" = 1 ] || step 90 subsample python3 bench/pairs.py --device cuda --dtype bfloat16 --no-compile --reps 7 \
     --batch 32 --T 256 --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
