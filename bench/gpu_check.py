@@ -1,4 +1,4 @@
-"""GPU correctness of the triton backend against the float64 reference (SPEC §6), and its bitwise
+"""GPU correctness of the triton backend against the float64 reference (docs/contract.md §6), and its bitwise
 reproducibility; prints one line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py          # needs a CUDA GPU

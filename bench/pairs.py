@@ -161,7 +161,7 @@ def run_case(args, T, layers, V, compiled):
             record(f"{backend} fwd", fused(backend, forward_only=True), reps)
         record(backend, fused(backend), reps)
         if T == args.subsample_T and backend == args.backends[0]:
-            sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of SPEC §5
+            sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of docs/contract.md §5
             record(f"{backend} pairs=0.02", fused(backend, pairs=0.02, generator=torch.Generator().manual_seed(0)),
                    args.reps, pairs=sampled)
 

@@ -238,7 +238,7 @@ def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
 # ---------------------------------------------------------------- data
 
 class _StarTask:
-    """Star-graph batches and path-accuracy evaluation (SPEC §7)."""
+    """Star-graph batches and path-accuracy evaluation (docs/contract.md §7)."""
 
     def __init__(self, cfg: TrainConfig):
         from .data import StarGraphData, StarGraphStream, StarGraphTokenizer

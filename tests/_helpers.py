@@ -1,5 +1,5 @@
 """Shared test helpers: random inputs at odd sizes, the float64 reference on upcast copies, and the
-relative errors of SPEC §6."""
+relative errors of docs/contract.md §6."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ from torch import nn
 
 from bst_fast import TextHead, belief_state_loss
 
-# SPEC §6 tolerances against the float64 reference.
+# docs/contract.md §6 tolerances against the float64 reference.
 TOL = {
     torch.float64: (1e-10, 1e-10),  # (loss, each gradient by norm)
     torch.float32: (1e-5, 1e-4),
@@ -100,7 +100,7 @@ def with_generator(opts):
 
 def check_against_reference(f, b, tokens, head, *, backend, dtype=torch.float32, seed=0,
                             wrt=("f", "b", "head"), **opts):
-    """Runs `backend` in `dtype` and the float64 reference on the same values; asserts SPEC §6.
+    """Runs `backend` in `dtype` and the float64 reference on the same values; asserts docs/contract.md §6.
 
     `generator_seed=s` in opts gives each run its own generator seeded with s. Returns the errors."""
     f, b, head = f.to(dtype), b.to(dtype), copy.deepcopy(head).to(dtype)

@@ -1,4 +1,4 @@
-"""backend="triton" against the float64 reference (SPEC §6): CPU tensors through TRITON_INTERPRET=1,
+"""backend="triton" against the float64 reference (docs/contract.md §6): CPU tensors through TRITON_INTERPRET=1,
 realistic sizes on a GPU (marked cuda). Chunk boundaries are put everywhere (a chunk of one pair,
 prime sizes, one chunk for all), and every kernel is compiled for sm_90 without a GPU."""
 import copy
@@ -54,7 +54,7 @@ def _run(f, b, tokens, head, dtype, grad_scale, **opts):
 
 
 def _check(f, b, tokens, head, dtype=torch.float32, grad_scale=1.7, **opts):
-    """triton against float64 at SPEC §6's tolerances, with a grad_output that is not 1."""
+    """triton against float64 at docs/contract.md §6's tolerances, with a grad_output that is not 1."""
     ref_loss, ref_g = _run(f, b, tokens, head, torch.float64, grad_scale, backend="reference", **opts)
     loss, g = _run(f, b, tokens, head, dtype, grad_scale, backend="triton", **opts)
     assert loss.dtype == torch.float32

@@ -1,5 +1,5 @@
 """The "triton" GPU backend: all pairs in chunks of tens of thousands, the head's matrix products on
-the tensor cores (cuBLAS through torch), the per-pair work in Triton kernels (SPEC §3-§4).
+the tensor cores (cuBLAS through torch), the per-pair work in Triton kernels (docs/contract.md §3-§4).
 
 Per chunk of n pairs (slots [s0, s0 + n) of the sorted pair list, see `PairList`), with es the
 bytes of the compute dtype, h the hidden widths (h1 first, hL last) and V the vocabulary:

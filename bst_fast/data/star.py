@@ -5,7 +5,7 @@ nodes that begins at s, so it adds l - 1 new nodes, and the graph holds 1 + d(l-
 labels drawn at random from 0..N-1. The goal g is the last node of one random arm and the answer
 is that arm, s first. Edges are directed parent -> child and listed in a random order.
 
-A row (SPEC §7, the paper's format with commas dropped), E = d(l-1) edges:
+A row (docs/contract.md §7, the paper's format with commas dropped), E = d(l-1) edges:
 
     BOS  u v | u v | ... | u v  /  s g  =  s p_2 ... p_{l-1} g  EOS
     0    1 ..............3E-1   3E 3E+1 3E+3 3E+4 ......... 3E+3+l  3E+4+l
@@ -164,7 +164,7 @@ class StarLayout:
 
     @property
     def prefix_start(self) -> int:
-        return 3 * self.n_edges + 3  # the "=" position (SPEC §7)
+        return 3 * self.n_edges + 3  # the "=" position (docs/contract.md §7)
 
     @property
     def answer_slice(self) -> slice:

@@ -147,7 +147,7 @@ class TextData(_Batches):
     """Tokenised documents split into train / held-out rows of at most max_len tokens.
 
     Rows are [BOS, x..., EOS] (see the module docstring); batches are padded with PAD and carry
-    their lengths (SPEC §1).
+    their lengths (docs/contract.md §1).
     """
 
     def __init__(self, paths, tokenizer, max_len: int, held_out: float = 0.05, seed: int = 0):

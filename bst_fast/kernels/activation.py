@@ -1,4 +1,4 @@
-"""The head's activations (SPEC §3) and their derivatives as Triton device functions, plus the
+"""The head's activations (docs/contract.md §3) and their derivatives as Triton device functions, plus the
 bf16 helpers every kernel of the package shares.
 
 The index of each activation is its position in `_pairs.ACTIVATIONS`; torch's side of the same

@@ -11,7 +11,7 @@ suffix):
 One program per row; each half is two passes over V in blocks of BV: an online max / sum of
 exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
 is still in L1/L2. Cost per pair: read 2V * es, write 2V * es (gradient), about 8V exp/FMA, no
-atomics. The logsumexp is float32 whatever the logits' dtype (SPEC §6).
+atomics. The logsumexp is float32 whatever the logits' dtype (docs/contract.md §6).
 """
 import triton
 import triton.language as tl

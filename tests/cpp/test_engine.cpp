@@ -36,7 +36,7 @@ void test_against_materialised() {
   auto start = torch::tensor({1, 0}, torch::kLong);
   const double lam = 0.3;
 
-  // Materialised: every pair of SPEC §2 with min_gap 2, no max_gap.
+  // Materialised: every pair of docs/contract.md §2 with min_gap 2, no max_gap.
   std::vector<int64_t> rr, ii, jj;
   for (int64_t r = 0; r < B; ++r)
     for (int64_t i = start[r].item<int64_t>(); i < L; ++i)
