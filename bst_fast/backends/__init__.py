@@ -42,6 +42,16 @@ def _fused(name):
     return unsupported
 
 
+def _cpu(name):
+    fused = _fused(name)
+
+    def unsupported(head, f):
+        if f.device.type != "cpu":
+            return f"backend={name!r} runs on the CPU; use backend='triton' for {f.device.type} tensors"
+        return fused(head, f)
+    return unsupported
+
+
 def _gpu(name):
     fused = _fused(name)
 
@@ -80,7 +90,7 @@ REGISTRY = {
     for x in (
         Backend("reference", _reference, _any, "every pair materialised, plain autograd (the executable spec)"),
         Backend("torch", _torch, _any, "any head module, pairs in chunks through torch autograd"),
-        Backend("cpp", _cpp, _fused("cpp"), "the C++ pair-tile engine (CPU)"),
+        Backend("cpp", _cpp, _cpu("cpp"), "the C++ pair-tile engine (CPU)"),
         Backend("triton", _triton, _gpu("triton"),
                 "GPU: chunks of pairs, cuBLAS GEMMs with Triton gather, cross-entropy and reduction kernels"),
     )
