@@ -2,10 +2,16 @@
 
     python bench/pairs.py                      # CPU defaults: B=4, m=h=256, V=1000, float32, T in 32..512
     python bench/pairs.py --device cuda --dtype bfloat16 --hidden 512 --layers 2 3 --vocab 1000 32000 --batch 32
+    python bench/pairs.py --head mlp swiglu --backends all      # both heads, every backend that takes each
 
 Forward + backward of the loss alone (f, b are leaves). Reports pairs/s, GFLOP/s of the per-pair head
-work (6 |P| h_last 2V: logits, their input gradient and the weight gradient) and peak memory growth;
-prints a table, writes bench/results/<device>.json and a PNG plot beside it.
+work (6 |P| h_last 2V: logits, their input gradient and the weight gradient; h_last = m for the
+swiglu head, whose lm_head maps each m-wide half to V) and peak memory growth; prints a table,
+writes bench/results/<device>.json (<device>-<heads>.json for other heads) and a PNG plot beside it.
+
+--head mlp is TextHead (--hidden, --layers); --head swiglu is ResidualSwiGLUHead (the official BST
+head, SwiGLU width from --swiglu-hidden or its default 8*2m/3 rounded to 128). The materialised
+objective is always the one of the same head (bst_fast.reference.pair_loss on it).
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ import torch
 # torch.compile imports: take bench/ off the path, put the project root on it.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bst_fast import TextHead, belief_state_loss  # noqa: E402
+from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
+from bst_fast.backends import REGISTRY  # noqa: E402
 from bst_fast import reference  # noqa: E402
 from bst_fast._pairs import Pairs, pair_counts, pair_mask  # noqa: E402
 
@@ -121,11 +128,35 @@ def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
     return reference.pair_loss(f, b, tokens, head, p, 0.5, vocab_size)
 
 
-def run_case(args, T, layers, V, compiled):
+def make_head(kind, args, layers, V):
+    """(head, h_last: the width its output layer reads, materialised bytes per pair beyond the logits)."""
+    m, h = args.d_model, args.hidden
+    itemsize = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    if kind == "swiglu":
+        head = ResidualSwiGLUHead(m, V, hidden=args.swiglu_hidden)
+        # [f;b], gate_up, silu(gate), silu*up, Down, the residual sum and the norm, all saved
+        return head, m, itemsize * (8 * m + 4 * head.hidden)
+    return TextHead(m, V, hidden=h, n_layers=layers, activation="gelu"), h, 4 * m + 4 * h * (layers - 1)
+
+
+def backends_for(args, kind, head, f):
+    """(name, why not) of the backends to time: --backends, or 'all' (the default for heads other
+    than mlp) for every registered backend that takes this head and input (the reference is the
+    materialised column)."""
+    names = args.backends
+    if names is None:
+        names = ["all"] if kind != "mlp" else (["triton"] if args.device == "cuda" else ["cpp"])
+    if names == ["all"]:
+        names = [n for n, be in REGISTRY.items() if n != "reference" and be.unsupported(head, f) is None]
+    return [(n, REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}") for n in names]
+
+
+def run_case(args, T, layers, V, compiled, kind="mlp"):
     dev, dtype = args.device, getattr(torch, args.dtype)
-    B, L, m, h = args.batch, T + 2, args.d_model, args.hidden
+    B, L, m = args.batch, T + 2, args.d_model
     torch.manual_seed(0)
-    head = TextHead(m, V, hidden=h, n_layers=layers, activation="gelu").to(dev, dtype)
+    head, h, extra = make_head(kind, args, layers, V)
+    head = head.to(dev, dtype)
     f = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
     b = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
     tokens = torch.randint(0, V, (B, L), device=dev)
@@ -135,13 +166,22 @@ def run_case(args, T, layers, V, compiled):
     n_pairs = int(counts.sum())
     rows = []
 
+    def note(method, text):
+        print(f"  {method:<16} T={T:<5} {kind} {text}", flush=True)
+        rows.append(dict(method=method, head=kind, T=T, layers=layers, V=V, note=text))
+
     def record(method, fn, reps, pairs=n_pairs):
-        sec, mem = timed(fn, dev, reps)
-        rows.append(dict(method=method, T=T, B=B, layers=layers, V=V, h=h, m=m, dtype=args.dtype,
+        try:
+            sec, mem = timed(fn, dev, reps)
+        except torch.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.empty_cache()
+            return note(method, "out of memory")
+        rows.append(dict(method=method, head=kind, T=T, B=B, layers=layers, V=V, h=h, m=m, dtype=args.dtype,
                          pairs=pairs, seconds=sec, pairs_per_s=pairs / sec,
                          gflops=6 * pairs * h * 2 * V / sec / 1e9, peak_mem_mb=mem / 2**20))
         r = rows[-1]
-        print(f"  {method:<16} T={T:<5} layers={layers} V={V:<6} {sec * 1e3:10.1f} ms "
+        print(f"  {method:<16} T={T:<5} {kind} layers={layers} V={V:<6} {sec * 1e3:10.1f} ms "
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
 
     def fused(backend, forward_only=False, **kw):
@@ -156,26 +196,29 @@ def run_case(args, T, layers, V, compiled):
         return step
 
     reps = args.reps if n_pairs * h * V < 5e10 else 1
-    for backend in args.backends:
+    backends = backends_for(args, kind, head, f)
+    for backend, why in backends:
+        if why is not None:
+            note(backend, f"not applicable: {why}")
+            continue
         if args.forward:
             record(f"{backend} fwd", fused(backend, forward_only=True), reps)
         record(backend, fused(backend), reps)
-        if T == args.subsample_T and backend == args.backends[0]:
+        if T == args.subsample_T and backend == backends[0][0]:
             sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of docs/contract.md §5
             record(f"{backend} pairs=0.02", fused(backend, pairs=0.02, generator=torch.Generator().manual_seed(0)),
                    args.reps, pairs=sampled)
 
-    # The materialised objective holds the (pairs, 2m) input, (pairs, h) hiddens and several
-    # (pairs, 2V) logit-sized tensors at once; skip it where that would not fit.
+    # The materialised objective holds the (pairs, 2m) input, the head's per-pair hiddens and
+    # several (pairs, 2V) logit-sized tensors at once; skip it where that would not fit.
     itemsize = torch.finfo(dtype).bits // 8
-    need = n_pairs * (4 * m + 4 * h * (layers - 1) + 2 * V * (2 * itemsize + 8)) + 0.0
+    need = n_pairs * (extra + 2 * V * (2 * itemsize + 8)) + 0.0
     limit = args.mem_limit_gb * 2**30
     if need > limit:
-        note = f"skipped: needs about {need / 2**30:.1f} GB > --mem-limit-gb {args.mem_limit_gb}"
-        print(f"  materialised     T={T:<5} {note}")
-        rows.append(dict(method="materialised", T=T, layers=layers, V=V, note=note))
+        text = f"skipped: needs about {need / 2**30:.1f} GB > --mem-limit-gb {args.mem_limit_gb}"
+        note("materialised", text)
         if compiled is not None:
-            rows.append(dict(method="torch.compile", T=T, layers=layers, V=V, note=note))
+            note("torch.compile", text)
         return rows
     mask = pair_mask(lengths, start, 2, L, L)
     row, i, j = mask.nonzero(as_tuple=True)
@@ -208,11 +251,12 @@ def plot(rows, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["method"], r["layers"], r["V"]) for r in rows if "gflops" in r})
-    for method, layers, V in keys:
+    keys = sorted({(r["head"], r["method"], r["layers"] or 0, r["V"]) for r in rows if "gflops" in r})
+    for kind, method, layers, V in keys:
         pts = sorted((r["T"], r["pairs_per_s"]) for r in rows
-                     if "gflops" in r and (r["method"], r["layers"], r["V"]) == (method, layers, V))
-        ax.plot(*zip(*pts), marker="o", label=f"{method} ({layers} layers, V={V})")
+                     if "gflops" in r and (r["head"], r["method"], r["layers"] or 0, r["V"]) == (kind, method, layers, V))
+        shape = f"{layers} layers" if kind == "mlp" else kind
+        ax.plot(*zip(*pts), marker="o", label=f"{method} ({shape}, V={V})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T (tokens per row)")
@@ -235,8 +279,13 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, nargs="+", default=[2])
     ap.add_argument("--vocab", type=int, nargs="+", default=[1000])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--head", nargs="+", default=["mlp"], choices=["mlp", "swiglu"],
+                    help="mlp: TextHead; swiglu: ResidualSwiGLUHead (the official BST head)")
+    ap.add_argument("--swiglu-hidden", type=int, default=None,
+                    help="the swiglu head's SwiGLU width (default 8*2m/3 rounded to a multiple of 128)")
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="bst_fast backends to time (default: cpp on the CPU, triton on CUDA)")
+                    help="bst_fast backends to time, or 'all': every one that takes the head (default: "
+                         "cpp on the CPU and triton on CUDA for mlp, all for swiglu)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone (no_grad)")
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
@@ -244,8 +293,6 @@ def main(argv=None):
                     help="skip the materialised objective above this estimate (default: 60%% of free memory)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = ap.parse_args(argv)
-    if args.backends is None:
-        args.backends = ["triton"] if args.device == "cuda" else ["cpp"]
     if args.mem_limit_gb is None:
         if args.device == "cuda":
             free = torch.cuda.mem_get_info()[0]
@@ -263,24 +310,32 @@ def main(argv=None):
         rates["peak"] = 2 * 8192**3 / sec / 1e9
         del a
         print(f"torch.mm at 8192^3: {rates['peak']:.1f} GFLOP/s")
-    for layers in args.layers:
+    # (head, layers): TextHead at each --layers, the swiglu head once
+    heads = [(k, n) for k in args.head for n in (args.layers if k == "mlp" else [None])]
+    def rate_key(kind, V):  # the output layer's shape: V for the TextHead's (as before), else "h x 2V"
+        h_last = args.hidden if kind == "mlp" else args.d_model
+        return h_last, (V if h_last == args.hidden else f"{h_last}x{2 * V}")
+
+    for kind, layers in heads:
         for V in args.vocab:
-            rates[V] = rates.get(V) or mm_rate(args.device, getattr(torch, args.dtype), args.hidden, 2 * V)
-            print(f"torch.mm at ({4096}x{args.hidden}) @ ({args.hidden}x{2 * V}): {rates[V]:.1f} GFLOP/s")
+            h_last, key = rate_key(kind, V)
+            rates[key] = rates.get(key) or mm_rate(args.device, getattr(torch, args.dtype), h_last, 2 * V)
+            print(f"torch.mm at ({4096}x{h_last}) @ ({h_last}x{2 * V}): {rates[key]:.1f} GFLOP/s")
             for T in args.T:
-                rows += run_case(args, T, layers, V, compiled)
+                rows += run_case(args, T, layers, V, compiled, kind)
 
     # The targets, from numbers of this one run.
     summary = []
-    for layers, V, T in ((a, b, c) for a in args.layers for b in args.vocab for c in args.T):
+    for (kind, layers), V, T in ((a, b, c) for a in heads for b in args.vocab for c in args.T):
         at = {r["method"]: r for r in rows if r["T"] == T and r["layers"] == layers
-              and r["V"] == V and "seconds" in r}
-        for backend in args.backends:
+              and r["V"] == V and r["head"] == kind and "seconds" in r}
+        rate = rates[rate_key(kind, V)[1]]
+        for backend in dict.fromkeys(r["method"] for r in rows if r["head"] == kind):
             fused = at.get(backend)
-            if not fused:
+            if not fused or backend in ("materialised", "torch.compile") or " " in backend:
                 continue
-            s = dict(T=T, layers=layers, V=V, backend=backend, mm_gflops=rates[V],
-                     fraction_of_mm=fused["gflops"] / rates[V])
+            s = dict(T=T, head=kind, layers=layers, V=V, backend=backend, mm_gflops=rate,
+                     fraction_of_mm=fused["gflops"] / rate)
             if "peak" in rates:
                 s["fraction_of_peak_mm"] = fused["gflops"] / rates["peak"]
             if "materialised" in at:
@@ -294,20 +349,23 @@ def main(argv=None):
                 s["forward_speedup_vs_materialised"] = at["materialised fwd"]["seconds"] / at[f"{backend} fwd"]["seconds"]
             summary.append(s)
 
-    print("\n| method | T | layers | V | ms | pairs/s | GFLOP/s | peak MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| head | method | T | layers | V | ms | pairs/s | GFLOP/s | peak MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        layers = r["layers"] if r["layers"] is not None else "-"
         if "seconds" in r:
-            print(f"| {r['method']} | {r['T']} | {r['layers']} | {r['V']} | {r['seconds'] * 1e3:.1f} | "
+            print(f"| {r['head']} | {r['method']} | {r['T']} | {layers} | {r['V']} | {r['seconds'] * 1e3:.1f} | "
                   f"{r['pairs_per_s']:.3g} | {r['gflops']:.1f} | {r['peak_mem_mb']:.1f} |")
         else:
-            print(f"| {r['method']} | {r['T']} | {r['layers']} | {r['V']} | {r['note']} | | | |")
+            print(f"| {r['head']} | {r['method']} | {r['T']} | {layers} | {r['V']} | {r['note']} | | | |")
     for s in summary:
-        print("\n{backend} at T={T}, {layers} layers, V={V}: ".format(**s)
-              + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "layers", "V", "backend")))
+        shape = f"{s['layers']} layers" if s["head"] == "mlp" else f"{s['head']} head"
+        print(f"\n{s['backend']} at T={s['T']}, {shape}, V={s['V']}: "
+              + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "head", "layers", "V", "backend")))
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) if args.out else RESULTS / f"{name}.json"
+    suffix = "" if args.head == ["mlp"] else "-" + "-".join(args.head)
+    out = Path(args.out) if args.out else RESULTS / f"{name}{suffix}.json"
     meta = dict(device=name, threads=torch.get_num_threads(), torch=torch.__version__, args=vars(args))
     out.write_text(json.dumps(dict(meta=meta, mm_gflops=rates, rows=rows, summary=summary), indent=1))
     plot(rows, out.with_suffix(".png"), f"{name}, B={args.batch}, m={args.d_model}, h={args.hidden}, {args.dtype}")

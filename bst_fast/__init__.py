@@ -5,22 +5,23 @@
 
 `train(config=None, **overrides)` trains a model (config: a TrainConfig, a dict or a YAML/JSON
 path; overrides: the config's field names, `model={...}` or dotted keys like "model.n_layer").
-The loss (`belief_state_loss`, `BeliefStateLoss`, `TextHead`), the models and their configs, the
-decoding entry points and the data classes are exported here; everything else is private.
+The loss (`belief_state_loss`, `BeliefStateLoss`, the heads `TextHead` and `ResidualSwiGLUHead`),
+the models and their configs, the decoding entry points and the data classes are exported here;
+everything else is private.
 """
 __version__ = "0.1.0"
 
 from .data import (StarGraphData, StarGraphStream, StarGraphTokenizer, TextData, load_tokenizer,
                    path_accuracy, train_bpe)
 from .decode import Plan, beam_search, plan, sample
-from .head import TextHead
+from .head import ResidualSwiGLUHead, TextHead
 from .loss import BACKENDS, BeliefStateLoss, belief_state_loss
 from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
 from .trainer import TrainConfig, TrainingStopped, load_model, train
 
 __all__ = [
     # the loss
-    "TextHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS",
+    "TextHead", "ResidualSwiGLUHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS",
     # training
     "train", "TrainConfig", "ModelConfig", "BeliefStateTransformer", "ForwardOnly", "TrainingStopped",
     "load_model",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -61,20 +61,23 @@ def labels(tokens, row, i, j):
     return tokens[row, i + 1], tokens[row, j - 1]
 
 
-def pair_chunks(p: Pairs, chunk: int) -> Iterator[tuple]:
-    """(row, i, j, weight) in chunks of at most `chunk` pairs; the all-pairs case row by row."""
+def flat_pairs(p: Pairs, L: int):
+    """The pair set as flat positions on the device: (ia, ib, weight).
+
+    ia = row * L + i indexes f (its Next label is tokens.flatten()[ia + 1]), ib = row * L + j
+    indexes b (its Prev label is tokens.flatten()[ib - 1]). All pairs come ordered by (row, i, j),
+    built without a loop over rows and with one host synchronisation (their count); weight is None
+    then (every pair weighs p.scale). Explicit or sampled pairs keep their order and weights."""
     if p.row is not None:
-        for s in range(0, p.row.numel(), chunk):
-            yield p.row[s : s + chunk], p.i[s : s + chunk], p.j[s : s + chunk], p.weight[s : s + chunk]
-        return
-    B = p.lengths.numel()
-    L = int(p.lengths.max().item()) if B else 0
-    masks = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L)  # (B, L, L), bools only
-    for r in range(B):
-        i, j = masks[r].nonzero(as_tuple=True)
-        for s in range(0, i.numel(), chunk):
-            ii, jj = i[s : s + chunk], j[s : s + chunk]
-            yield torch.full_like(ii, r), ii, jj, p.scale.expand(ii.shape)
+        return p.row * L + p.i, p.row * L + p.j, p.weight
+    dev = p.lengths.device
+    counts = prefix_counts(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).reshape(-1)  # (B*L,)
+    total = int(counts.sum())
+    first = counts.cumsum(0) - counts  # slot of each prefix's first pair
+    ia = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=total)
+    # the k-th pair of prefix (r, i) has j = i + min_gap + k
+    ib = ia + p.min_gap + (torch.arange(total, device=dev) - first[ia])
+    return ia, ib, None
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):

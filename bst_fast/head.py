@@ -1,7 +1,22 @@
-"""TextHead: the BST's MLP over [f_i ; b_j] with Next logits first and Prev logits last (SPEC §3)."""
+"""The BST's text heads over [f_i ; b_j], Next logits first and Prev logits last (docs/contract.md §3).
+
+TextHead: the MLP of the paper (and of every fused backend). ResidualSwiGLUHead: the head of the
+official implementation (microsoft/BST, model_bst.py TextHead).
+
+A head may also say how its work splits into per-token and per-pair parts, for the "torch" backend:
+
+    pair_parts(f, b, lengths) -> (prefix_parts, suffix_parts, tail)
+
+prefix_parts[k] and suffix_parts[k] are (B, L, w_k) tensors computed once per position (autograd
+maps their gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend
+forms x_k = prefix_parts[k][r, i] + suffix_parts[k][r, j], and tail([x_0, x_1, ...]) (each x_k
+(n, w_k) for n pairs) returns the (n, 2V) logits, equal to head(cat([f_i, b_j])). A part may be
+[f ; 0] and [0 ; b]: its sum is the concatenation. Positions at or beyond lengths are in no pair;
+a part that multiplies f or b by a weight zeroes them first (0 * NaN = NaN in dW).
+"""
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -73,26 +88,170 @@ class TextHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., 2m) -> (..., 2V)."""
-        for layer in self.layers[:-1]:
-            x = activation(self.activation, layer(x))
-        return self.layers[-1](x)
+        return self._after_first_layer(self.layers[0](x))
+
+    def _after_first_layer(self, z1: torch.Tensor) -> torch.Tensor:
+        x = z1
+        for layer in self.layers[1:]:
+            x = layer(activation(self.activation, x))
+        return x
 
     def split_first_layer(self):
         """(W1f, W1b, c1): the first layer as a prefix part and a suffix part (SPEC §3)."""
         w = self.layers[0].weight  # (h1, 2m)
         return w[:, : self.d_model], w[:, self.d_model :], self.layers[0].bias
 
-    def first_layer_states(self, f, b, lengths):
-        """(A, B), each (B, L, h1) float32: A = f W1f^T + c1, B = b W1b^T, so z1_ij = A_i + B_j.
+    def first_layer_states(self, f, b, lengths, dtype=torch.float32):
+        """(A, B), each (B, L, h1) in `dtype` (float32 unless asked): A = f W1f^T + c1, B = b W1b^T,
+        so z1_ij = A_i + B_j.
 
         The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
         (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
         that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
         w1f, w1b, c1 = self.split_first_layer()
-        pad = (torch.arange(f.shape[1], device=f.device)[None, :] >= lengths[:, None])[..., None]
-        A = F.linear(f.float().masked_fill(pad, 0.0), w1f.float(), c1.float())
-        B = F.linear(b.float().masked_fill(pad, 0.0), w1b.float())
+        A = F.linear(zero_padding(f.to(dtype), lengths), w1f.to(dtype), c1.to(dtype))
+        B = F.linear(zero_padding(b.to(dtype), lengths), w1b.to(dtype))
         return A, B
+
+    def pair_parts(self, f, b, lengths):
+        """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
+        act(A_i + B_j), rounded once to the layers' dtype, and the later layers (see the module
+        docstring)."""
+        dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
+        with torch.autocast(f.device.type, enabled=False):
+            A, B = self.first_layer_states(f, b, lengths, dtype)
+        out_dtype = self.layers[0].weight.dtype
+
+        def tail(xs):
+            return self._after_first_layer(xs[0].to(out_dtype))
+
+        return [A], [B], tail
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+def zero_padding(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """x (B, L, k) with the positions at or beyond lengths[r] set to zero."""
+    pad = torch.arange(x.shape[1], device=x.device)[None, :] >= lengths[:, None]
+    return x.masked_fill(pad[..., None], 0.0)
+
+
+def swiglu_hidden(d_model: int) -> int:
+    """The official head's SwiGLU width for [f ; b] of 2m: 8 * 2m / 3 rounded to a multiple of 128
+    (model_bst.py: 128 * round(h / 128)), at least 128."""
+    return max(128, 128 * round(8 * 2 * d_model / 3 / 128))
+
+
+class _SwiGLU(nn.Module):
+    """silu(gate) * up with [gate | up] = gate_up(x) (the official model_base.SwiGLU)."""
+
+    def __init__(self, d_in: int, hidden: int, bias: bool):
+        super().__init__()
+        self.gate_up = nn.Linear(d_in, 2 * hidden, bias=bias)
+
+    def forward(self, x):
+        return swiglu(self.gate_up(x))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _Norm(nn.Module):
+    """The official LayerNorm class (model_base.LayerNorm): a LayerNorm with weight and bias, or
+    without a bias an RMSNorm with a weight."""
+
+    def __init__(self, width: int, bias: bool, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width)) if bias else None
+
+    def forward(self, x):
+        if self.bias is not None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {'layer_norm' if self.bias is not None else 'rms_norm'}, eps={self.eps}"
+
+
+class ResidualSwiGLUHead(nn.Module):
+    """The official BST head (microsoft/BST model_bst.py TextHead), with TextHead's conventions.
+
+    x = [f ; b] (2m wide); x = x + Down(SwiGLU(x)); x = Norm(x); the halves x[:m] and x[m:] go
+    through one shared lm_head (m -> V, no bias): Next logits from the first, Prev logits from the
+    second. Output (..., 2V), Next first.
+
+    Args:
+        d_model: m, the width of f and b.
+        vocab_size: V.
+        hidden: the SwiGLU width; default 8 * 2m / 3 rounded to a multiple of 128, as the official code.
+        bias: biases in gate_up and Down, and the norm's kind. As the official LayerNorm class:
+            bias=True is a LayerNorm with a bias; bias=False (the official default) is an RMSNorm
+            with a weight (F.rms_norm). eps 1e-5 either way.
+
+    Parameters are named as the official module's (mlp.0.gate_up, mlp.2, norm, lm_head), so its
+    state dict loads. `tie(embedding)` shares lm_head's (V, m) weight with a token embedding.
+    The gate/up projection splits per token (split_gate_up, pair_parts): the "torch" backend
+    computes it once per position instead of once per pair.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, hidden: Optional[int] = None, bias: bool = False):
+        super().__init__()
+        for name, v in (("d_model", d_model), ("vocab_size", vocab_size)) + ((("hidden", hidden),) if hidden is not None else ()):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.d_model, self.vocab_size = d_model, vocab_size
+        self.hidden = swiglu_hidden(d_model) if hidden is None else hidden
+        self.bias = bool(bias)
+        two_m = 2 * d_model
+        self.mlp = nn.Sequential(_SwiGLU(two_m, self.hidden, self.bias), nn.Identity(),
+                                 nn.Linear(self.hidden, two_m, bias=self.bias))
+        self.norm = _Norm(two_m, self.bias)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        for q in self.modules():  # the official initialisation
+            if isinstance(q, nn.Linear):
+                nn.init.normal_(q.weight, mean=0.0, std=0.02)
+                if q.bias is not None:
+                    nn.init.zeros_(q.bias)
+
+    def tie(self, embedding: nn.Embedding) -> "ResidualSwiGLUHead":
+        """Share lm_head's weight with `embedding` (V rows of width m): one Parameter, both gradients."""
+        if tuple(embedding.weight.shape) != tuple(self.lm_head.weight.shape):
+            raise ValueError(f"the embedding's weight {tuple(embedding.weight.shape)} must have lm_head's shape "
+                             f"(vocab_size, d_model) = {tuple(self.lm_head.weight.shape)}")
+        self.lm_head.weight = embedding.weight
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 2m) -> (..., 2V)."""
+        return self._after_gate_up(x, self.mlp[0].gate_up(x))
+
+    def _after_gate_up(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x + self.mlp[2](self.mlp[1](swiglu(gate_up))))
+        halves = x.unflatten(-1, (2, self.d_model))  # (..., 2, m): Next half, Prev half
+        return self.lm_head(halves).flatten(-2)
+
+    def split_gate_up(self):
+        """(Wf, Wb, c): gate_up as a prefix part and a suffix part, gate_up([f ; b]) = f Wf^T + b Wb^T + c."""
+        w = self.mlp[0].gate_up.weight  # (2 hidden, 2m)
+        return w[:, : self.d_model], w[:, self.d_model :], self.mlp[0].gate_up.bias
+
+    def pair_parts(self, f, b, lengths):
+        """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum) and the gate_up
+        parts f Wf^T + c and b Wb^T, in the head's dtype; per pair SwiGLU, Down, the norm and
+        lm_head (see the module docstring)."""
+        wf, wb, c = self.split_gate_up()
+        f, b = zero_padding(f, lengths), zero_padding(b, lengths)
+
+        def tail(xs):
+            return self._after_gate_up(xs[0], xs[1])
+
+        return ([torch.cat([f, torch.zeros_like(f)], -1), F.linear(f, wf, c)],
+                [torch.cat([torch.zeros_like(b), b], -1), F.linear(b, wb)], tail)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, bias={self.bias}"

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head import TextHead
+from .head import ResidualSwiGLUHead, TextHead
 from .loss import belief_state_loss
+
+HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
 
 
 @dataclass
@@ -22,9 +24,11 @@ class ModelConfig:
     mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
     dropout: float = 0.0  # on attention, MLP and embeddings
     shared_encoders: bool = False  # one encoder for both directions, told apart by a segment embedding
+    head_type: str = "mlp"  # "mlp": TextHead (the paper's); "swiglu": ResidualSwiGLUHead (the official code's)
     head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
     head_layers: int = 2  # TextHead Linear layers
     head_activation: str = "gelu"  # TextHead activation
+    head_tie_embedding: bool = False  # swiglu: its lm_head shares the forward encoder's token embedding
     gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
     backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
 
@@ -127,7 +131,8 @@ def _init_weights(module):
 
 
 class BeliefStateTransformer(nn.Module):
-    """Forward encoder F, backward encoder B (separate or shared), TextHead, optional GPT head (SPEC §1-§4)."""
+    """Forward encoder F, backward encoder B (separate or shared), a text head (TextHead or
+    ResidualSwiGLUHead, cfg.head_type), optional GPT head (docs/contract.md §1-§4)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,9 +143,19 @@ class BeliefStateTransformer(nn.Module):
         # Without a backward encoder the head still sees [f ; b], with b a learned constant: it keeps
         # both heads and every pair, but no suffix information reaches them.
         self.suffix_constant = None if cfg.backward_encoder else nn.Parameter(torch.zeros(cfg.d_model))
-        self.head = TextHead(cfg.d_model, cfg.vocab_size, cfg.head_hidden, cfg.head_layers, cfg.head_activation)
+        if cfg.head_type not in HEAD_TYPES:
+            raise ValueError(f"config field 'model.head_type' must be one of {HEAD_TYPES}, got {cfg.head_type!r}")
+        if cfg.head_tie_embedding and cfg.head_type != "swiglu":
+            raise ValueError("config field 'model.head_tie_embedding' needs model.head_type 'swiglu' "
+                             "(a TextHead has no lm_head to tie)")
+        if cfg.head_type == "swiglu":
+            self.head = ResidualSwiGLUHead(cfg.d_model, cfg.vocab_size)
+        else:
+            self.head = TextHead(cfg.d_model, cfg.vocab_size, cfg.head_hidden, cfg.head_layers, cfg.head_activation)
         self.gpt = nn.Linear(cfg.d_model, cfg.vocab_size) if cfg.gpt_head else None
         _init_weights(self)
+        if cfg.head_tie_embedding:
+            self.head.tie(self.forward_encoder.tok)
 
     def prefix_states(self, tokens):
         """f: (B, L, m); f[r, i] has read tokens[r, 0..i]."""
@@ -161,7 +176,7 @@ class BeliefStateTransformer(nn.Module):
 
     def empty_suffix(self, eos_id: int):
         """B(∅): the backward state of a sequence holding EOS alone, (m,)."""
-        eos = torch.full((1, 1), eos_id, dtype=torch.long, device=self.head.layers[0].weight.device)
+        eos = torch.full((1, 1), eos_id, dtype=torch.long, device=self.forward_encoder.tok.weight.device)
         return self.suffix_states(eos)[0, 0]
 
     def logits(self, f, b):

@@ -361,6 +361,18 @@ def _atomic_write(path: Path, write):
     os.replace(tmp, path)
 
 
+def _unshared(state):
+    """The state dict on the CPU with a copy of every tensor whose storage an earlier one already
+    holds (a tied head and embedding): safetensors refuses tensors that share memory."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        v = v.detach().contiguous().cpu()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
 def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int):
     """out_dir/checkpoints/step-N/{model.safetensors, state.pt, config.json}, then `latest` names it.
 
@@ -373,7 +385,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     tmp = root / f".step-{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    save_file(_unshared(model.state_dict()), str(tmp / "model.safetensors"))
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))

@@ -79,12 +79,12 @@ def test_unconditional_plan_scores_last_tokens_with_prev_head():
     assert all(c[2] == () for c in stub.calls if c[0] == "start")
 
 
-def tiny_bst(V=5, shared=False, seed=0, scale=30.0):
+def tiny_bst(V=5, shared=False, seed=0, scale=30.0, head_type="mlp"):
     torch.manual_seed(seed)
     model = BeliefStateTransformer(ModelConfig(vocab_size=V, max_len=24, n_layer=2, d_model=16, n_head=2,
-                                               head_hidden=16, shared_encoders=shared)).eval()
+                                               head_hidden=16, shared_encoders=shared, head_type=head_type)).eval()
     with torch.no_grad():  # spread the probabilities so that orders are not decided by rounding
-        model.head.layers[-1].weight.mul_(scale)
+        (model.head.layers[-1] if head_type == "mlp" else model.head.lm_head).weight.mul_(scale)
     return model
 
 
@@ -105,9 +105,10 @@ def full_next_logits(model, seq, goal):
     return model.logits(f, decode.BSTSearch(model, EOS).goal_state(goal))[0]
 
 
-@pytest.mark.parametrize("kind", ["bst", "bst_shared", "forward"])
+@pytest.mark.parametrize("kind", ["bst", "bst_shared", "bst_swiglu", "forward"])
 def test_cached_decoding_equals_full_reencoding(kind):
-    model = tiny_forward() if kind == "forward" else tiny_bst(shared=kind == "bst_shared")
+    model = tiny_forward() if kind == "forward" else \
+        tiny_bst(shared=kind == "bst_shared", head_type="swiglu" if kind == "bst_swiglu" else "mlp")
     goal = [] if kind == "forward" else [2, 1]
     prompt = [4, 0, 1]
     with torch.no_grad():

@@ -1,0 +1,301 @@
+"""The heads and the torch backend: ResidualSwiGLUHead (the official BST head) against its definition
+and against the float64 reference on every path that takes it, the per-token split of any head
+(pair_parts), chunk boundaries of the torch backend, tying, the model/config/CLI switch, decoding
+with the new head, and a short star-graph run."""
+import copy
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
+from bst_fast import _pairs, decode
+from bst_fast.backends import torch_backend
+from bst_fast.head import swiglu_hidden
+
+from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
+                      random_grad_out, reference64, rel_err)
+
+
+def make_swiglu(m=7, V=13, hidden=10, bias=False, seed=0, scale=0.6):
+    """A ResidualSwiGLUHead with N(0, scale^2) weights (a softmax far from flat), norm weights near 1."""
+    g = torch.Generator().manual_seed(seed)
+    head = ResidualSwiGLUHead(m, V, hidden=hidden, bias=bias)
+    with torch.no_grad():
+        for name, q in head.named_parameters():
+            q.copy_(torch.randn(q.shape, generator=g) * (0.3 if "norm" in name else scale)
+                    + (1.0 if name == "norm.weight" else 0.0))
+    return head
+
+
+def swiglu_by_hand(head, x):
+    """The official TextHead's formula, written out: x + Down(silu(gate) * up), the norm, lm_head on each half."""
+    m, H = head.d_model, head.hidden
+    gate_up = x @ head.mlp[0].gate_up.weight.t()
+    down = head.mlp[2]
+    if head.bias:
+        gate_up = gate_up + head.mlp[0].gate_up.bias
+    y = x + (F.silu(gate_up[:, :H]) * gate_up[:, H:]) @ down.weight.t() + (down.bias if head.bias else 0)
+    if head.bias:
+        y = (y - y.mean(-1, keepdim=True)) / torch.sqrt(y.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        y = y * head.norm.weight + head.norm.bias
+    else:
+        y = y / torch.sqrt((y * y).mean(-1, keepdim=True) + 1e-5) * head.norm.weight
+    w = head.lm_head.weight
+    return torch.cat([y[:, :m] @ w.t(), y[:, m:] @ w.t()], -1)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["rmsnorm", "layernorm"])
+def test_swiglu_head_is_the_official_head(bias):
+    head = make_swiglu(m=6, V=11, hidden=9, bias=bias, seed=1).double()
+    x = torch.randn(5, 12, dtype=torch.float64)
+    out = head(x)
+    assert out.shape == (5, 22)
+    assert torch.allclose(out, swiglu_by_hand(head, x), rtol=1e-12, atol=1e-12)
+    assert head(x[None]).shape == (1, 5, 22)  # any leading shape
+    # The official parameter names and widths; no bias anywhere with bias=False, lm_head never has one.
+    names = {"mlp.0.gate_up.weight", "mlp.2.weight", "norm.weight", "lm_head.weight"}
+    if bias:
+        names |= {"mlp.0.gate_up.bias", "mlp.2.bias", "norm.bias"}
+    assert set(head.state_dict()) == names
+    assert head.mlp[0].gate_up.weight.shape == (18, 12) and head.lm_head.weight.shape == (11, 6)
+
+
+def test_swiglu_default_width():
+    # model_bst.py: 128 * round((8 * 2m / 3) / 128)
+    assert [swiglu_hidden(m) for m in (512, 768, 128, 7)] == [2688, 4096, 640, 128]
+    assert ResidualSwiGLUHead(128, 5).hidden == 640
+    with pytest.raises(ValueError, match="hidden"):
+        ResidualSwiGLUHead(8, 5, hidden=0)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "swiglu"])
+def test_pair_parts_give_the_head_on_each_pair(kind):
+    """tail(the pairs' sums of the per-token parts) equals head([f_i ; b_j])."""
+    head = (make_head(5, 7, hidden=[6, 4], n_layers=3) if kind == "mlp" else make_swiglu(5, 7, hidden=9)).double()
+    f, b = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(2, 6, 5, dtype=torch.float64)
+    lengths = torch.tensor([6, 4])
+    pre, suf, tail = head.pair_parts(f, b, lengths)
+    row, i, j = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2, 0, 1]), torch.tensor([5, 4, 3, 3])
+    got = tail([P[row, i] + Q[row, j] for P, Q in zip(pre, suf)])
+    assert torch.allclose(got, head(torch.cat([f[row, i], b[row, j]], -1)), rtol=1e-12, atol=1e-12)
+
+
+CASES = {
+    "default": {},
+    "lengths_gaps": dict(lengths=torch.tensor([13, 4, 9]), min_gap=3, max_gap=7, next_weight=0.3),
+    "prefix_start_sum": dict(prefix_start=torch.tensor([0, 5, 2]), reduction="sum"),
+    "explicit": dict(pairs=(torch.tensor([2, 0, 0, 1, 2, 0]), torch.tensor([5, 0, 3, 1, 0, 0]),
+                            torch.tensor([9, 2, 12, 4, 11, 2]))),  # (0, 0, 2) twice
+    "fraction": dict(pairs=0.4, generator_seed=3, next_weight=0.7),
+}
+PATHS = [("torch", torch.float64), ("torch", torch.float32), ("auto", torch.float64), ("auto", torch.float32),
+         ("reference", torch.float32)]
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS, ids=[f"{b}-{str(d)[6:]}" for b, d in PATHS])
+@pytest.mark.parametrize("bias", [False, True], ids=["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_swiglu_against_reference(case, bias, backend, dtype):
+    """docs/contract.md §6 tolerances against the float64 reference, a random grad_output."""
+    seed = 10 * list(CASES).index(case) + bias
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=seed)
+    head = make_swiglu(7, 13, hidden=10, bias=bias, seed=seed)
+    check_against_reference(f, b, tokens, head, backend=backend, dtype=dtype, seed=seed, **CASES[case])
+
+
+CHUNKS = [1, 2, 7, 13, 97, 10**6]  # one pair, primes (chunks across rows), more than all pairs
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("kind", ["mlp", "swiglu", "other"])
+def test_chunk_boundaries(monkeypatch, kind, chunk):
+    """Every chunk size gives the reference to float64 precision: a chunk of one pair, prime sizes
+    that cut rows anywhere, rows shorter than a chunk (row 1 has 3 pairs) and a chunk holding all."""
+    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    seed = 30 + CHUNKS.index(chunk)
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
+    lengths = torch.tensor([13, 4, 11])
+    check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=seed, lengths=lengths)
+    check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=seed, lengths=lengths,
+                            pairs=0.5, generator_seed=seed, reduction="sum")
+
+
+def test_chunk_size_from_the_byte_budget(monkeypatch):
+    assert torch_backend.CHUNK_PAIRS is None
+    if "BST_FAST_TORCH_CHUNK_MB" not in os.environ:
+        assert torch_backend.CHUNK_BYTES == 256 * 2**20  # the GPU default
+    assert torch_backend.chunk_pairs(4000, torch.device("cuda")) == 256 * 2**20 // 4000
+    assert torch_backend.chunk_pairs(10**12, torch.device("cpu")) == 1
+    # A budget of 5 pairs' logits (2V float64 each) on the CPU: chunks of 5 across rows, still exact.
+    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * 2 * 13 * 8)
+    sizes = []
+    real = torch_backend._cross_entropy_
+    monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real(z, *a))
+    f, b, tokens, head = make_inputs(B=3, L=13, m=7, V=13, seed=40)
+    check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=40,
+                            lengths=torch.tensor([13, 4, 11]))
+    assert sizes == [5] * (sum(sizes) // 5) + ([sum(sizes) % 5] if sum(sizes) % 5 else [])
+    assert sum(sizes) == 66 + 3 + 45
+
+
+def test_flat_pairs_are_the_pair_set_in_order():
+    B, L = 3, 15
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    f = torch.zeros(B, L, 2)
+    p = _pairs.prepare(f, f, tokens, 1, lengths=torch.tensor([15, 7, 10]), prefix_start=torch.tensor([0, 2, 1]),
+                       min_gap=3, max_gap=6, pairs=None, next_weight=0.5, reduction="mean", generator=None)
+    ia, ib, w = _pairs.flat_pairs(p, L)
+    row, i, j = _pairs.pair_mask(p.lengths, p.prefix_start, 3, 6, L).nonzero(as_tuple=True)
+    assert w is None and torch.equal(ia, row * L + i) and torch.equal(ib, row * L + j)
+
+
+def test_no_host_synchronisation_per_chunk(monkeypatch):
+    """The number of device-to-host reads (item, tolist, int(), bool(), ...) does not grow with the
+    number of chunks: the pair list is built once and sliced."""
+    f, b, tokens, head = make_inputs(B=3, L=13, m=7, V=13, seed=50)
+    f.requires_grad_()
+    counts = []
+    for chunk in (1, 10**6):
+        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        calls = []
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__"):
+                real = getattr(torch.Tensor, name)
+                mp.setattr(torch.Tensor, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
+            belief_state_loss(f, b, tokens, make_swiglu(seed=50), backend="torch").backward()
+        counts.append(len(calls))
+    assert counts[0] == counts[1], counts
+
+
+class TanhHead(nn.Module):
+    """A head whose last op saves its own output (tanh): its logits must not be overwritten in place."""
+
+    def __init__(self, m, V):
+        super().__init__()
+        self.inp = nn.Linear(2 * m, 2 * V)
+
+    def forward(self, x):
+        return torch.tanh(self.inp(x)) * 3.0 if self.training else torch.tanh(self.inp(x))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_logits_saved_by_the_head_are_not_overwritten(training):
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=60)
+    head = TanhHead(7, 13).train(training)
+    check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["mlp", "swiglu"])
+def test_half_precision_torch(kind, dtype):
+    """docs/contract.md §6: error at most 2x that of the materialised run in the same dtype, plus 1e-3."""
+    seed = 70 + (kind == "swiglu")
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = (mlp if kind == "mlp" else make_swiglu(seed=seed)).to(dtype)
+    f, b = f.to(dtype), b.to(dtype)
+    opts = dict(lengths=torch.tensor([13, 6, 11]), next_weight=0.3)
+    go = random_grad_out(seed)
+    ref_loss, ref_grads = reference64(f, b, tokens, head, go, **opts)
+    mat_loss, mat_grads = loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="reference", **opts)
+    loss, grads = loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="torch", **opts)
+    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grads.values())
+    err = errors(loss, grads, ref_loss, ref_grads)
+    mat_err = errors(mat_loss, mat_grads, ref_loss, ref_grads)
+    for name in err:
+        assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
+
+
+def test_tied_lm_head():
+    emb = nn.Embedding(13, 7)
+    head = make_swiglu(seed=80).tie(emb)
+    assert head.lm_head.weight is emb.weight
+    assert sum(q is emb.weight for q in head.parameters()) == 1
+    with pytest.raises(ValueError, match="lm_head"):
+        make_swiglu().tie(nn.Embedding(12, 7))
+    # The embedding's gradient is the sum of its two uses: the head's (checked against the
+    # reference) and the encoder's.
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=80)
+    ids = torch.tensor([[1, 2, 3]])
+    grads = {}
+    for backend in ("torch", "reference"):
+        h = copy.deepcopy(head).double()
+        enc = nn.Embedding(13, 7).double()
+        enc.weight = h.lm_head.weight
+        loss = belief_state_loss(f.double(), b.double(), tokens, h, backend=backend) + enc(ids).sum()
+        loss.backward()
+        grads[backend] = h.lm_head.weight.grad
+    assert rel_err(grads["torch"], grads["reference"]) < 1e-10
+
+
+def test_model_head_type_and_tying(tmp_path):
+    cfg = dict(vocab_size=11, max_len=16, n_layer=1, d_model=8, n_head=2)
+    model = BeliefStateTransformer(ModelConfig(**cfg, head_type="swiglu", head_tie_embedding=True))
+    assert isinstance(model.head, ResidualSwiGLUHead) and model.head.hidden == 128
+    assert model.head.lm_head.weight is model.forward_encoder.tok.weight
+    assert isinstance(BeliefStateTransformer(ModelConfig(**cfg)).head, TextHead)
+    with pytest.raises(ValueError, match="model.head_type"):
+        BeliefStateTransformer(ModelConfig(**cfg, head_type="gru"))
+    with pytest.raises(ValueError, match="head_tie_embedding"):
+        BeliefStateTransformer(ModelConfig(**cfg, head_tie_embedding=True))
+    tokens = torch.randint(0, 11, (2, 9))
+    model(tokens)["total"].backward()
+    assert model.forward_encoder.tok.weight.grad is not None
+
+
+def test_tied_head_checkpoint_round_trip(tmp_path):
+    """A run with a tied swiglu head saves (safetensors refuses shared storage: the trainer copies
+    it) and loads back tied, with the trained weights."""
+    from bst_fast.trainer import TrainConfig, load_model, train
+
+    d = TrainConfig.load("configs/tiny_test.yaml").to_dict()
+    d["model"].update(head_type="swiglu", head_tie_embedding=True)
+    d.update(steps=3, ckpt_every=3, eval_every=3, out_dir=str(tmp_path))
+    train(TrainConfig.from_dict(d))
+    model, _ = load_model(tmp_path)
+    assert model.head.lm_head.weight is model.forward_encoder.tok.weight
+    assert not torch.allclose(model.head.mlp[2].weight, torch.zeros(()))
+
+
+def test_cli_sets_the_head_type():
+    from bst_fast.__main__ import _apply_sets
+    from bst_fast.trainer import TrainConfig
+
+    cfg = _apply_sets(TrainConfig(), ["model.head_type=swiglu", "model.head_tie_embedding=true"])
+    assert cfg.model.head_type == "swiglu" and cfg.model.head_tie_embedding is True
+    assert TrainConfig.load("configs/star_cpu_swiglu.yaml").model.head_type == "swiglu"
+
+
+def test_decoding_with_the_swiglu_head():
+    """Planning, beam search and belief states run unchanged on the swiglu head (cached decoding:
+    test_decode.test_cached_decoding_equals_full_reencoding[bst_swiglu])."""
+    from test_decode import EOS, tiny_bst
+
+    model = tiny_bst(head_type="swiglu")
+    prompt, goal = [4, 0, 1], [2, 1]
+    result = decode.plan(model, prompt, goal, horizon=3, rollouts=4, eos_id=EOS)
+    assert len(result.candidates) == 4 and all(math.isfinite(s) for s in result.scores.tolist())
+    assert decode.plan(model, prompt, [], horizon=3, rollouts=3, eos_id=EOS).best is not None
+    seqs, logp = decode.beam_search(model, prompt, 3, beams=2, goal=goal, eos_id=EOS)
+    assert seqs.shape == (2, 3) and torch.isfinite(logp).all()
+    states = decode.belief_states(model, torch.tensor([[4, 0, 1, 2, 0]]), torch.tensor([5]))
+    assert states.shape == (1, 16)
+
+
+def test_star_graph_smoke_with_swiglu_head(tmp_path):
+    """A short run of configs/star_cpu_swiglu.yaml (the full run: bench/results/star_cpu_swiglu.md)."""
+    from bst_fast.trainer import TrainConfig, train
+
+    cfg = TrainConfig.load("configs/star_cpu_swiglu.yaml")
+    d = cfg.to_dict()
+    d.update(steps=40, batch_size=32, warmup=5, n_test=50, eval_every=40, log_every=10, progress=False,
+             out_dir=str(tmp_path))
+    result = train(TrainConfig.from_dict(d))
+    assert math.isfinite(result["loss"]) and 0.0 <= result["path_accuracy"] <= 1.0
+    rows = [r.split(",") for r in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
+    losses = [float(v) for _, key, v in rows if key == "loss"]
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns
