@@ -5,7 +5,7 @@
 # named after the GPU. Steps are ordered by what matters most, each under its own timeout.
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
-#   QUICK=1 bash bench/gpu.sh    # no torch.compile column, no subsampling rows, fewer repeats
+#   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests; fewer repeats
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
@@ -33,10 +33,15 @@ step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vo
 wait $build || { echo "!! build failed"; status=1; }
 step 120 check python3 bench/gpu_check.py
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
+# Any head: TextHead and the official residual SwiGLU head through every backend that takes them.
+step 90 heads python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 --hidden 512 \
+    --layers 2 --vocab 1000 --head mlp swiglu --backends all --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads.json"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"
 step 60 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
-[ "$quick" = 1 ] || step 90 subsample python3 bench/pairs.py --device cuda --dtype bfloat16 --no-compile --reps 7 \
-    --batch 32 --T 256 --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
-step 150 tests python3 -m pytest -m cuda -q tests/test_triton.py tests/test_belief_state_loss.py
+if [ "$quick" != 1 ]; then
+    step 90 subsample python3 bench/pairs.py --device cuda --dtype bfloat16 --no-compile --reps 7 --batch 32 --T 256 \
+        --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
+    step 150 tests python3 -m pytest -m cuda -q tests/test_triton.py tests/test_belief_state_loss.py tests/test_heads.py
+fi
 exit $status

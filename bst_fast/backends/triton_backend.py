@@ -32,7 +32,7 @@ import torch
 import triton
 
 from .. import _pairs
-from .._pairs import Pairs, prefix_counts
+from .._pairs import Pairs
 from . import pair_loss_op
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
@@ -73,25 +73,18 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
     host synchronisations (the pair count, then the chunk table)."""
     dev = p.lengths.device
     BL = B * L
-    if p.row is None:
-        counts = prefix_counts(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).reshape(-1)  # (B*L,)
-        total = int(counts.sum())
-        pre_off = _exclusive_cumsum(counts)
-        ia = torch.repeat_interleave(torch.arange(BL, device=dev), counts, output_size=total)
-        # the k-th pair of prefix (r, i) has j = i + min_gap + k
-        ib = ia + p.min_gap + (torch.arange(total, device=dev) - pre_off[ia])
+    ia, ib, weight = _pairs.flat_pairs(p, L)
+    total = ia.numel()
+    if weight is None:  # all pairs: ordered by (row, i, j) already, one weight for all
         w = torch.ones(1, dtype=torch.float32, device=dev)
         w_stride, wscale = 0, p.scale.float()
     else:
-        ia = p.row * L + p.i
-        ib = p.row * L + p.j
         order = torch.sort(ia * BL + ib, stable=True).indices
         ia, ib = ia[order], ib[order]
-        total = ia.numel()
-        pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
-        wscale = p.weight.max().float()
-        w = (p.weight[order] / p.weight.max()).float()
+        wscale = weight.max().float()
+        w = (weight[order] / weight.max()).float()
         w_stride = 1
+    pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
     perm = torch.sort(ib * BL + ia, stable=True).indices
     suf_off = _exclusive_cumsum(torch.bincount(ib, minlength=BL))
 
