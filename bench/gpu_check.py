@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+# bench/ holds profile.py, which would shadow the standard library's profile module (torch._dynamo
+# imports cProfile): take bench/ off the path, put the project root on it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bst_fast import TextHead, belief_state_loss  # noqa: E402
 from bst_fast.backends import configs  # noqa: E402
