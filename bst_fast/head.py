@@ -26,7 +26,7 @@ from ._pairs import ACTIVATIONS
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """The head's activation by name (SPEC §3); leaky_relu has slope 0.01, gelu is the erf form."""
+    """The head's activation by name (docs/contract.md §3); leaky_relu has slope 0.01, gelu is the erf form."""
     if name == "relu":
         return F.relu(x)
     if name == "leaky_relu":
@@ -97,7 +97,7 @@ class TextHead(nn.Module):
         return x
 
     def split_first_layer(self):
-        """(W1f, W1b, c1): the first layer as a prefix part and a suffix part (SPEC §3)."""
+        """(W1f, W1b, c1): the first layer as a prefix part and a suffix part (docs/contract.md §3)."""
         w = self.layers[0].weight  # (h1, 2m)
         return w[:, : self.d_model], w[:, self.d_model :], self.layers[0].bias
 

@@ -1,5 +1,5 @@
-"""Every CPU backend against the float64 reference (SPEC §2-§6), and the pair set and subsampler
-(SPEC §2, §5). Sizes are odd on purpose; each test draws fresh random inputs from its own seed."""
+"""Every CPU backend against the float64 reference (docs/contract.md §2-§6), and the pair set and subsampler
+(docs/contract.md §2, §5). Sizes are odd on purpose; each test draws fresh random inputs from its own seed."""
 import copy
 import math
 
@@ -90,7 +90,7 @@ HALF_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(HALF_CASES))
 def test_half_precision_cpp(case, dtype):
-    """SPEC §6: error at most 2x that of the materialised run in the same dtype, plus 1e-3, both
+    """docs/contract.md §6: error at most 2x that of the materialised run in the same dtype, plus 1e-3, both
     against the float64 reference on the same (rounded) values."""
     seed = 200 + list(HALF_CASES).index(case)
     f, b, tokens, head = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
@@ -328,11 +328,11 @@ def test_cpp_is_deterministic():
 
 
 # --------------------------------------------------------------------------------------------
-# The pair set (SPEC §2)
+# The pair set (docs/contract.md §2)
 
 
 def brute_force_pairs(lengths, prefix_start, min_gap, max_gap):
-    """SPEC §2 read literally."""
+    """docs/contract.md §2 read literally."""
     out = []
     for r, (n, s) in enumerate(zip(lengths.tolist(), prefix_start.tolist())):
         for i in range(n):
@@ -385,7 +385,7 @@ def test_pair_set_matches_spec(seed):
 
 
 # --------------------------------------------------------------------------------------------
-# The subsampler (SPEC §5)
+# The subsampler (docs/contract.md §5)
 
 
 def _sample(lengths, prefix_start, min_gap, max_gap, k, seed):
