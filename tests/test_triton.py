@@ -246,6 +246,47 @@ def test_bf16_compute_for_an_fp32_model():
         assert _rel(x, y) < 5e-2
 
 
+def test_strided_tokens(chunk_pairs):
+    """Labels are read at flat offsets: a strided int64 view of the tokens must give the same loss."""
+    chunk_pairs(10)
+    f, b, tokens, head = _inputs(2, 9, 5, 7, seed=19)
+    wide = torch.randint(0, 7, (2, 18), generator=torch.Generator().manual_seed(3))
+    _check(f, b, wide[:, ::2], head)
+
+
+def test_masked_vocabulary_block(chunk_pairs):
+    """A half whose first V block is all -inf (a -inf bias masking tokens) keeps a finite loss: the
+    running logsumexp must not form exp(-inf - -inf)."""
+    chunk_pairs(8)
+    V = 20  # the interpreter's V block is 16: the first block of the Next half is all -inf
+    f, b, tokens, head = _inputs(1, 8, 4, V, seed=20)
+    tokens = 16 + tokens % 4  # every label in the unmasked tail
+    with torch.no_grad():
+        head.layers[-1].bias[:16] = float("-inf")
+    loss, g = _run(f, b, tokens, head, torch.float32, 1.0, backend="triton")
+    ref, ref_g = _run(f, b, tokens, head, torch.float64, 1.0, backend="reference")
+    assert torch.isfinite(loss) and _rel(loss, ref) < 1e-5
+    for x, y in zip(g[:2], ref_g[:2]):  # f and b (the masked weights' gradients are NaN for both)
+        assert _rel(x, y) < 1e-4
+
+
+def test_op_rejects_mismatched_arguments():
+    import bst_fast.backends.pair_loss_op  # noqa: F401
+    g = torch.Generator().manual_seed(21)
+    A, Bm = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    W, c = [torch.randn(10, 4, generator=g)], [torch.randn(10, generator=g)]
+    tokens = torch.randint(0, 5, (2, 6), generator=g)
+    common = (tokens, torch.tensor([6, 6]), torch.zeros(2, dtype=torch.long), 2, 6)
+    op = torch.ops.bst_fast.triton_pair_loss
+    row, i, j = torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="weight must have shape"):
+        op(A, Bm, W, c, *common, row, i, j, torch.ones(3, dtype=torch.float64), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match=r"weights\[0\] must be"):
+        op(A, Bm, [torch.randn(10, 5)], c, *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        op(A, Bm, W, [], *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+
+
 def test_pair_list_schedule():
     """The sorted pair list, its segments and the chunk table describe exactly the pair set."""
     f, b, tokens, head = _inputs(3, 9, 4, 5, seed=16)

@@ -51,12 +51,12 @@ class PairList:
     with ib = c in increasing order.
     """
 
-    ia: torch.Tensor  # (n,) int32
-    ib: torch.Tensor  # (n,) int32
+    ia: torch.Tensor  # (n,) int32 (int64 past 2**31 pairs or positions)
+    ib: torch.Tensor  # (n,) int32 (likewise)
     w: torch.Tensor  # (n,) float32 pair weights / wscale, or (1,) read with stride 0 (all pairs)
     w_stride: int
     wscale: torch.Tensor  # () float32: the largest pair weight; dz is computed in its units
-    perm: torch.Tensor  # (n,) int32
+    perm: torch.Tensor  # (n,) int32 (likewise)
     pre_off: torch.Tensor  # (B*L + 1,) int64
     suf_off: torch.Tensor  # (B*L + 1,) int64
     # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
@@ -102,8 +102,10 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
     longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
     table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1),
                        longest.reshape(1)]).cpu().tolist()
-    return PairList(ia=ia.int(), ib=ib.int(), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
-                    perm=perm.int(), pre_off=pre_off, suf_off=suf_off,
+    # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
+    idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
+    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
+                    perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
                     chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
                     search_steps=int(table[-1]).bit_length())
 
@@ -131,7 +133,7 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     cfg = chunk_config(dev.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
     up = interpreted_bf16(dtype)
     act_id = ACT[act_name]
-    tok = tokens.reshape(-1)
+    tok = tokens.contiguous().reshape(-1)  # the kernels read labels at flat offsets ia + 1, ib - 1
     A, Bm = A.contiguous(), Bm.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     dA = torch.zeros(A.shape, **f32) if need else None
@@ -192,10 +194,24 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     dtype (weights and biases share one) is the matrix operands' compute dtype."""
     if activation not in ACT:
         raise ValueError(f"activation must be one of {tuple(ACT)}, got {activation!r}")
+    if len(weights) != len(biases) or not weights or weights[-1].dim() != 2 or weights[-1].shape[0] % 2:
+        raise ValueError(f"weights and biases must hold one entry per layer, the last with 2V outputs, got "
+                         f"{len(weights)} weights, {len(biases)} biases")
     dtype = weights[-1].dtype
     if any(t.dtype != dtype for t in (*weights, *biases)):
         raise ValueError(f"weights and biases must share one dtype, got {[t.dtype for t in (*weights, *biases)]}")
+    if A.dim() != 3:
+        raise ValueError(f"A must be (B, L, h1), got {tuple(A.shape)}")
     Bn, L, h1 = A.shape
+    widths = [h1] + [w.shape[0] for w in weights]
+    for k, (w, c) in enumerate(zip(weights, biases)):
+        if w.dim() != 2 or tuple(w.shape) != (widths[k + 1], widths[k]) or tuple(c.shape) != (widths[k + 1],):
+            raise ValueError(f"weights[{k}] must be ({widths[k + 1]}, {widths[k]}) and biases[{k}] "
+                             f"({widths[k + 1]},), got {tuple(w.shape)} and {tuple(c.shape)}")
+    expected = () if row is None else (row.numel(),)
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"weight must have shape {expected} (a 0-dim scale for all pairs, else one per "
+                         f"listed pair), got {tuple(weight.shape)}")
     V = weights[-1].shape[0] // 2
     # The values are checked here, inside the op, so that a compiled graph (which skips the checks
     # of belief_state_loss) still rejects bad input.

@@ -40,7 +40,9 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam,
             col = vb + tl.arange(0, BV)
             z = tl.load(zr + col, mask=col < V, other=-float("inf")).to(tl.float32)
             m_new = tl.maximum(mx, tl.max(z, axis=0))
-            se = se * tl.exp(mx - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            # while every logit so far is -inf (a masked block), shift by 0: exp(-inf - -inf) is NaN
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            se = se * tl.exp(mx - m_safe) + tl.sum(tl.exp(z - m_safe), axis=0)
             mx = m_new
         lse = mx + tl.log(se)
         zy = tl.load(zr + y).to(tl.float32)
