@@ -241,17 +241,25 @@ class ResidualSwiGLUHead(nn.Module):
         return w[:, : self.d_model], w[:, self.d_model :], self.mlp[0].gate_up.bias
 
     def pair_parts(self, f, b, lengths):
-        """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum) and the gate_up
-        parts f Wf^T + c and b Wb^T, in the head's dtype; per pair SwiGLU, Down, the norm and
-        lm_head (see the module docstring)."""
+        """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum), in the head's
+        dtype, and the gate_up parts f Wf^T + c and b Wb^T in float32; per pair SwiGLU, Down, the
+        norm and lm_head (see the module docstring)."""
         wf, wb, c = self.split_gate_up()
         f, b = zero_padding(f, lengths), zero_padding(b, lengths)
+        # The gate_up parts in float32 (float64 for float64), their pair sum rounded once to the
+        # layers' dtype, as [f ; b] W^T would be: two bf16 parts rounded apart and then added miss
+        # docs/contract.md §6's bound (2x the materialised error) on some gradients.
+        acc = torch.float64 if f.dtype == torch.float64 else torch.float32
+        out_dtype = self.mlp[0].gate_up.weight.dtype
+        with torch.autocast(f.device.type, enabled=False):
+            gf = F.linear(f.to(acc), wf.to(acc), None if c is None else c.to(acc))
+            gb = F.linear(b.to(acc), wb.to(acc))
 
         def tail(xs):
-            return self._after_gate_up(xs[0], xs[1])
+            return self._after_gate_up(xs[0], xs[1].to(out_dtype))
 
-        return ([torch.cat([f, torch.zeros_like(f)], -1), F.linear(f, wf, c)],
-                [torch.cat([torch.zeros_like(b), b], -1), F.linear(b, wb)], tail)
+        return ([torch.cat([f, torch.zeros_like(f)], -1), gf],
+                [torch.cat([torch.zeros_like(b), b], -1), gb], tail)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"

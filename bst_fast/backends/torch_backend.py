@@ -11,7 +11,8 @@ chunk of n pairs, for each part (P, Q) of width w and with es the logits' bytes:
     x      = P[ia] + Q[ib]                (n, w): one embedding_bag over [P ; Q] (_PairSum)
     logits = tail(x, ...)                 (n, 2V): the head's per-pair work, built by autograd
     CE     = row max, exp, float32 (float64) sums; the logits become w·(softmax - onehot) in place
-             (5 passes over n*2V*es bytes, no float32 copy of the logits)
+             (5 passes over n*2V*es bytes; on a GPU no float32 copy of the logits, on the CPU
+             torch upcasts one for the float32 sum)
     grads  = autograd.grad(logits, parameters, that gradient); on the way back each pair sum adds
              x's gradient into d[P ; Q] at ia and B*L + ib (index_add_, float32; float64 for
              float64), so no per-chunk gradient of P or Q is made
@@ -49,9 +50,10 @@ def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
     return max(1, budget // max(1, per_pair_bytes))
 
 
-def _cross_entropy_(z, y, wl, need: bool):
+def _cross_entropy_(z, y, wl, need: bool, gscale: float = 1.0):
     """sum of wl * CE(z, y) over the (n, 2) rows of z (n, 2, V), in wl's dtype. z is overwritten: with
-    need, by wl * (softmax(z) - onehot(y)) in its own dtype (no float32 copy of it is made)."""
+    need, by gscale * wl * (softmax(z) - onehot(y)) in its own dtype. On a GPU no float32 copy of z
+    is made; on the CPU torch's sum(dtype=float32) of a 16-bit tensor upcasts a copy first."""
     acc = wl.dtype
     zy = z.gather(2, y[..., None]).to(acc)  # (n, 2, 1)
     mx = z.amax(2, keepdim=True)
@@ -59,8 +61,8 @@ def _cross_entropy_(z, y, wl, need: bool):
     s = z.sum(2, keepdim=True, dtype=acc)
     loss = (wl * (mx.to(acc) + s.log() - zy)).sum()
     if need:
-        z.mul_((wl / s).to(z.dtype))
-        z.scatter_add_(2, y[..., None], (-wl).to(z.dtype).expand(z.shape[0], 2, 1))
+        z.mul_((gscale * wl / s).to(z.dtype))
+        z.scatter_add_(2, y[..., None], (-gscale * wl).to(z.dtype).expand(z.shape[0], 2, 1))
     return loss
 
 
@@ -90,18 +92,20 @@ class _PairSum(torch.autograd.Function):
     table is made. `token` (a leaf that requires grad) puts this node in the graph."""
 
     @staticmethod
-    def forward(ctx, table, rows, into, token):
+    def forward(ctx, table, rows, into, token, unscale):
         ctx.save_for_backward(rows)
-        ctx.into = into
+        ctx.into, ctx.unscale = into, unscale
         return _pair_sum(table, rows)
 
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
         g = grad.to(ctx.into.dtype)
+        if ctx.unscale != 1.0:  # the chunk's gradient was scaled down (float16, see _ChunkedLoss)
+            g = g * ctx.unscale
         ctx.into.index_add_(0, rows[:, 0], g)
         ctx.into.index_add_(0, rows[:, 1], g)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 def _pair_sum(table, rows):
@@ -140,13 +144,18 @@ class _ChunkedLoss(torch.autograd.Function):
         widest = max([2 * vocab_size * es] + [t.shape[1] * t.element_size() for t in tables])
         chunk = chunk_pairs(widest, dev)
         loss = torch.zeros((), dtype=acc, device=dev)
+        param_storages = {q.untyped_storage().data_ptr() for q in params}
         for s in range(0, total, chunk):
             a, c = ia[s : s + chunk], ib[s : s + chunk]
             n = a.numel()
             rows = torch.stack([a, c + BL], 1)  # (n, 2)
+            # float16 parameter gradients are sums over the chunk's pairs of O(1) per-pair terms
+            # (the weights are normalised): scaled by 1/sqrt(n) they neither overflow 65504 nor
+            # fall to subnormals; the float32 accumulators multiply it back.
+            gs = n ** -0.5 if (params[0].dtype if params else tables[0].dtype) == torch.float16 else 1.0
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                xs = [_pair_sum(t, rows) if g is None else _PairSum.apply(t, rows, g, token)
+                xs = [_pair_sum(t, rows) if g is None else _PairSum.apply(t, rows, g, token, 1.0 / gs)
                       for t, g in zip(tables, grad_tables)]
                 logits = tail(xs)
                 del xs
@@ -154,11 +163,14 @@ class _ChunkedLoss(torch.autograd.Function):
                 raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({n}, {2 * vocab_size}), "
                                  f"got {tuple(logits.shape)}")
             z = logits.detach()
-            if saved.holds(z) or not z.is_contiguous():
+            # z becomes its own gradient in place: not where a backward node reads it, nor in a
+            # view or a parameter's storage (a head may return a slice or an expand of one)
+            if (saved.holds(z) or not z.is_contiguous() or logits._base is not None
+                    or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
             y = torch.stack([tok[a + 1], tok[c - 1]], 1)  # Next and Prev labels, (n, 2)
             wl = lam if w_rel is None else lam * w_rel[s : s + chunk]
-            loss += _cross_entropy_(z.view(n, 2, vocab_size), y, wl, backprop)
+            loss += _cross_entropy_(z.view(n, 2, vocab_size), y, wl, backprop, gs)
             if not backprop:
                 continue
             # The pair sums add into grad_tables on the way. allow_unused: a head may hold
@@ -169,7 +181,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if g is not None:
                     if grad_params[k] is None:
                         grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
-                    grad_params[k] += g
+                    grad_params[k].add_(g, alpha=1.0 / gs)
         loss = loss * wscale
         it = iter(g if g is None else g.mul_(wscale) for g in grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used per pair
