@@ -96,11 +96,6 @@ class TextHead(nn.Module):
             x = layer(activation(self.activation, x))
         return x
 
-    def split_first_layer(self):
-        """(W1f, W1b, c1): the first layer as a prefix part and a suffix part (docs/contract.md §3)."""
-        w = self.layers[0].weight  # (h1, 2m)
-        return w[:, : self.d_model], w[:, self.d_model :], self.layers[0].bias
-
     def first_layer_states(self, f, b, lengths, dtype=torch.float32):
         """(A, B), each (B, L, h1) in `dtype` (float32 unless asked): A = f W1f^T + c1, B = b W1b^T,
         so z1_ij = A_i + B_j.
@@ -108,10 +103,7 @@ class TextHead(nn.Module):
         The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
         (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
         that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
-        w1f, w1b, c1 = self.split_first_layer()
-        A = F.linear(zero_padding(f.to(dtype), lengths), w1f.to(dtype), c1.to(dtype))
-        B = F.linear(zero_padding(b.to(dtype), lengths), w1b.to(dtype))
-        return A, B
+        return split_linear(self.layers[0], zero_padding(f, lengths), zero_padding(b, lengths), dtype)
 
     def pair_parts(self, f, b, lengths):
         """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
@@ -129,6 +121,19 @@ class TextHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, dtype):
+    """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T) in
+    `dtype`, with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j])."""
+    w, c, m = linear.weight, linear.bias, f.shape[-1]
+    return (F.linear(f.to(dtype), w[:, :m].to(dtype), None if c is None else c.to(dtype)),
+            F.linear(b.to(dtype), w[:, m:].to(dtype)))
+
+
+def concat_parts(f: torch.Tensor, b: torch.Tensor):
+    """[f ; 0] and [0 ; b]: per-position parts whose pair sum is the concatenation [f_i ; b_j]."""
+    return torch.cat([f, torch.zeros_like(f)], -1), torch.cat([torch.zeros_like(b), b], -1)
 
 
 def zero_padding(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -195,7 +200,7 @@ class ResidualSwiGLUHead(nn.Module):
 
     Parameters are named as the official module's (mlp.0.gate_up, mlp.2, norm, lm_head), so its
     state dict loads. `tie(embedding)` shares lm_head's (V, m) weight with a token embedding.
-    The gate/up projection splits per token (split_gate_up, pair_parts): the "torch" backend
+    The gate/up projection splits per token (pair_parts): the "torch" backend
     computes it once per position instead of once per pair.
     """
 
@@ -235,16 +240,10 @@ class ResidualSwiGLUHead(nn.Module):
         halves = x.unflatten(-1, (2, self.d_model))  # (..., 2, m): Next half, Prev half
         return self.lm_head(halves).flatten(-2)
 
-    def split_gate_up(self):
-        """(Wf, Wb, c): gate_up as a prefix part and a suffix part, gate_up([f ; b]) = f Wf^T + b Wb^T + c."""
-        w = self.mlp[0].gate_up.weight  # (2 hidden, 2m)
-        return w[:, : self.d_model], w[:, self.d_model :], self.mlp[0].gate_up.bias
-
     def pair_parts(self, f, b, lengths):
         """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum), in the head's
         dtype, and the gate_up parts f Wf^T + c and b Wb^T in float32; per pair SwiGLU, Down, the
         norm and lm_head (see the module docstring)."""
-        wf, wb, c = self.split_gate_up()
         f, b = zero_padding(f, lengths), zero_padding(b, lengths)
         # The gate_up parts in float32 (float64 for float64), their pair sum rounded once to the
         # layers' dtype, as [f ; b] W^T would be: two bf16 parts rounded apart and then added miss
@@ -252,14 +251,13 @@ class ResidualSwiGLUHead(nn.Module):
         acc = torch.float64 if f.dtype == torch.float64 else torch.float32
         out_dtype = self.mlp[0].gate_up.weight.dtype
         with torch.autocast(f.device.type, enabled=False):
-            gf = F.linear(f.to(acc), wf.to(acc), None if c is None else c.to(acc))
-            gb = F.linear(b.to(acc), wb.to(acc))
+            gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
+        xf, xb = concat_parts(f, b)
 
         def tail(xs):
             return self._after_gate_up(xs[0], xs[1].to(out_dtype))
 
-        return ([torch.cat([f, torch.zeros_like(f)], -1), gf],
-                [torch.cat([torch.zeros_like(b), b], -1), gb], tail)
+        return [xf, gf], [xb, gb], tail
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"

@@ -65,8 +65,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         generator: the torch.Generator the subsample is drawn from.
         backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
             "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
-        deterministic: kept for compatibility: triton is always bitwise reproducible (no atomics),
-            cpp for a fixed thread count.
+        deterministic: kept for compatibility, it changes nothing: triton is always bitwise
+            reproducible (no atomics), cpp for a fixed thread count, torch on a GPU is not.
 
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
@@ -78,18 +78,17 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, op_checks=chosen.name in ("cpp", "triton"))
+                       generator=generator, op_checks=chosen.fused)
     tokens = tokens.long()
-    if chosen.name in ("reference", "torch"):
-        return chosen.run(f, b, tokens, head, p, next_weight, V, {})
+    if not chosen.fused:
+        return chosen.run(f, b, tokens, head, p, next_weight, V, None)
     # The fused engines choose their own precision (docs/contract.md §6); autocast must not recast inside them.
     # Under CUDA autocast the GPU kernels take the autocast dtype for their matrix operands (fp32
     # accumulation), as the materialised head would.
     autocast_dtype = (torch.get_autocast_dtype("cuda")
                       if f.is_cuda and torch.is_autocast_enabled("cuda") else None)
     with torch.autocast(device_type=f.device.type, enabled=False):
-        return chosen.run(f, b, tokens, head, p, next_weight, V,
-                          dict(deterministic=bool(deterministic), compute_dtype=autocast_dtype))
+        return chosen.run(f, b, tokens, head, p, next_weight, V, autocast_dtype)
 
 
 class BeliefStateLoss(nn.Module):

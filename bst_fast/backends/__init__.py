@@ -2,17 +2,17 @@
 dispatches through.
 
 One module per backend: cpp_backend, torch_backend, triton_backend (reference.py, the executable
-spec, sits at the package's top). Every backend is called as `run(f, b, tokens, head, p, next_weight, vocab_size, options)` with the
-checked pair set `p` (`_pairs.Pairs`) and `options` holding `deterministic` and `compute_dtype`
-(the autocast dtype for an fp32 model, or None); it returns the 0-dim loss with autograd attached.
-`unsupported(head, f)` says why a backend cannot take an input (None if it can).
+spec, sits at the package's top). Every backend is called as
+`run(f, b, tokens, head, p, next_weight, vocab_size, compute_dtype)` with the checked pair set `p`
+(`_pairs.Pairs`) and `compute_dtype` (the CUDA autocast dtype a fused engine takes for an fp32
+model, or None); it returns the 0-dim loss with autograd attached. `unsupported(head, f)` says why
+a backend cannot take an input (None if it can).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
-
-import os
 
 import torch
 
@@ -24,7 +24,9 @@ class Backend:
     name: str
     run: Callable
     unsupported: Callable  # (head, f) -> Optional[str]
-    doc: str
+    # A fused engine: a registered op that chooses its own precision (autocast is off around it)
+    # and repeats the value checks itself (so belief_state_loss skips them while compiling).
+    fused: bool
 
 
 def _any(head, f) -> Optional[str]:
@@ -57,7 +59,6 @@ def _gpu(name):
 
     def unsupported(head, f):
         # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
-
         if not f.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             return (f"backend={name!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
                     "use backend='cpp' on the CPU")
@@ -65,34 +66,37 @@ def _gpu(name):
     return unsupported
 
 
-def _reference(f, b, tokens, head, p, next_weight, V, options):
+def _reference(f, b, tokens, head, p, next_weight, V, compute_dtype):
     from .. import reference
     return reference.pair_loss(f, b, tokens, head, p, next_weight, V)
 
 
-def _torch(f, b, tokens, head, p, next_weight, V, options):
+def _torch(f, b, tokens, head, p, next_weight, V, compute_dtype):
     from . import torch_backend
     return torch_backend.pair_loss(f, b, tokens, head, p, next_weight, V)
 
 
-def _cpp(f, b, tokens, head, p, next_weight, V, options):
+def _cpp(f, b, tokens, head, p, next_weight, V, compute_dtype):
     from . import cpp_backend
     return cpp_backend.pair_loss(f, b, tokens, head, p, next_weight)
 
 
-def _triton(f, b, tokens, head, p, next_weight, V, options):
+def _triton(f, b, tokens, head, p, next_weight, V, compute_dtype):
     from . import triton_backend
-    return triton_backend.pair_loss(f, b, tokens, head, p, next_weight, compute_dtype=options["compute_dtype"])
+    return triton_backend.pair_loss(f, b, tokens, head, p, next_weight, compute_dtype=compute_dtype)
 
 
 REGISTRY = {
     x.name: x
     for x in (
-        Backend("reference", _reference, _any, "every pair materialised, plain autograd (the executable spec)"),
-        Backend("torch", _torch, _any, "any head module, pairs in chunks through torch autograd"),
-        Backend("cpp", _cpp, _cpu("cpp"), "the C++ pair-tile engine (CPU)"),
-        Backend("triton", _triton, _gpu("triton"),
-                "GPU: chunks of pairs, cuBLAS GEMMs with Triton gather, cross-entropy and reduction kernels"),
+        # every pair materialised, plain autograd (the executable spec)
+        Backend("reference", _reference, _any, fused=False),
+        # any head module, pairs in chunks through torch autograd
+        Backend("torch", _torch, _any, fused=False),
+        # the C++ pair-tile engine (CPU)
+        Backend("cpp", _cpp, _cpu("cpp"), fused=True),
+        # GPU: chunks of pairs, cuBLAS GEMMs with Triton gather, cross-entropy and reduction kernels
+        Backend("triton", _triton, _gpu("triton"), fused=True),
     )
 }
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .._pairs import Pairs, flat_pairs
+from ..head import concat_parts
 
 # Bytes of a chunk's widest per-pair tensor. On a GPU: 256 MB (the logits of 65k pairs at V=1000 in
 # bf16); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU a smaller chunk stays in cache.
@@ -205,7 +206,8 @@ def _concat_parts(head):
         return head(xs[0])
 
     def parts(f, b, lengths):
-        return [torch.cat([f, torch.zeros_like(f)], -1)], [torch.cat([torch.zeros_like(b), b], -1)], tail
+        xf, xb = concat_parts(f, b)
+        return [xf], [xb], tail
     return parts
 
 

@@ -55,7 +55,7 @@ class PairList:
     ib: torch.Tensor  # (n,) int32 (likewise)
     w: torch.Tensor  # (n,) float32 pair weights / wscale, or (1,) read with stride 0 (all pairs)
     w_stride: int
-    wscale: torch.Tensor  # () float32: the largest pair weight; dz is computed in its units
+    wscale: torch.Tensor  # () float32: the largest pair weight (the scale of all pairs); dz is in its units
     perm: torch.Tensor  # (n,) int32 (likewise)
     pre_off: torch.Tensor  # (B*L + 1,) int64
     suf_off: torch.Tensor  # (B*L + 1,) int64
@@ -81,8 +81,8 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
     else:
         order = torch.sort(ia * BL + ib, stable=True).indices
         ia, ib = ia[order], ib[order]
-        wscale = weight.max().float()
-        w = (weight[order] / weight.max()).float()
+        wmax = weight.max()
+        w, wscale = (weight[order] / wmax).float(), wmax.float()
         w_stride = 1
     pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
     perm = torch.sort(ib * BL + ia, stable=True).indices
@@ -122,15 +122,15 @@ def _mm_f32(a, b):
     return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 
-def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype):
+def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg):
     """Loss and (need) float32 gradients of A, B and every later layer, chunk by chunk.
 
     A, Bm: (B, L, h1) float32; tokens (B, L) int64; weights/biases: the layers after the first, in
-    the compute dtype `dtype` (the last one (2V, hL)). Returns (loss, dA, dB, dW list, dc list)."""
+    the compute dtype `dtype` (the last one (2V, hL)); cfg: chunk_config's launch shapes, which
+    also cut `pl`. Returns (loss, dA, dB, dW list, dc list)."""
     dev = A.device
     h1 = A.shape[-1]
     V = weights[-1].shape[0] // 2
-    cfg = chunk_config(dev.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
     up = interpreted_bf16(dtype)
     act_id = ACT[act_name]
     tok = tokens.contiguous().reshape(-1)  # the kernels read labels at flat offsets ia + 1, ib - 1
@@ -224,7 +224,7 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
     pl = pair_list(p, Bn, L, cfg["chunk"])
     loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, [w.contiguous() for w in weights],
-                               [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype)
+                               [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype, cfg)
     if not need_grad:
         empty = lambda: A.new_empty(0)
         return loss, empty(), empty(), [empty() for _ in weights], [empty() for _ in biases]
