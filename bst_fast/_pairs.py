@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -78,6 +78,75 @@ def flat_pairs(p: Pairs, L: int):
     # the k-th pair of prefix (r, i) has j = i + min_gap + k
     ib = ia + p.min_gap + (torch.arange(total, device=dev) - first[ia])
     return ia, ib, None
+
+
+@dataclass
+class PairList:
+    """A batch's pairs as flat positions, sorted by (ia, ib), with their segments and chunk schedule.
+
+    ia = row * L + i indexes A (and the Next label tokens[ia + 1]); ib = row * L + j indexes B (and
+    the Prev label tokens[ib - 1]). Prefix segment a is the run of slots with ia = a (slots
+    pre_off[a] .. pre_off[a + 1]); suffix segment c is perm[suf_off[c] .. suf_off[c + 1]], the slots
+    with ib = c in increasing order.
+    """
+
+    ia: torch.Tensor  # (n,) int32 (int64 past 2**31 pairs or positions)
+    ib: torch.Tensor  # (n,) int32 (likewise)
+    w: torch.Tensor  # (n,) pair weights / wscale, or (1,) read with stride 0 (all pairs)
+    w_stride: int
+    wscale: torch.Tensor  # (): the largest pair weight (the scale of all pairs); gradients are in its units
+    perm: torch.Tensor  # (n,) int32 (likewise)
+    pre_off: torch.Tensor  # (B*L + 1,) int64
+    suf_off: torch.Tensor  # (B*L + 1,) int64
+    # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
+    chunks: List[Tuple[int, int, int, int, int, int]]
+    search_steps: int  # binary-search rounds that cover the longest suffix segment
+
+
+def _exclusive_cumsum(counts):
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> PairList:
+    """Sort the pair set into a PairList cut into chunks of `chunk` slots, its weights in `dtype`:
+    all on the device, two host synchronisations (the pair count, then the chunk table)."""
+    dev = p.lengths.device
+    BL = B * L
+    ia, ib, weight = flat_pairs(p, L)
+    total = ia.numel()
+    if weight is None:  # all pairs: ordered by (row, i, j) already, one weight for all
+        w = torch.ones(1, dtype=dtype, device=dev)
+        w_stride, wscale = 0, p.scale.to(dtype)
+    else:
+        order = torch.sort(ia * BL + ib, stable=True).indices
+        ia, ib = ia[order], ib[order]
+        wmax = weight.max()
+        w, wscale = (weight[order] / wmax).to(dtype), wmax.to(dtype)
+        w_stride = 1
+    pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
+    perm = torch.sort(ib * BL + ia, stable=True).indices
+    suf_off = _exclusive_cumsum(torch.bincount(ib, minlength=BL))
+
+    n_chunks = -(-total // chunk)
+    s0 = torch.arange(n_chunks, device=dev) * chunk
+    s1 = torch.clamp(s0 + chunk, max=total)
+    # prefix segments a with pre_off[a] < s1 and pre_off[a + 1] > s0 form one range
+    pre_lo = torch.searchsorted(pre_off[1:], s0, right=True)
+    pre_hi = torch.searchsorted(pre_off[:-1], s1, right=False)
+    # suffix segments met by a chunk: between its smallest and largest ib
+    pad = n_chunks * chunk - total
+    ib_pad = torch.cat([ib, ib.new_full((pad,), BL)]).reshape(n_chunks, chunk)
+    suf_lo = ib_pad.amin(1)
+    suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
+    longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
+    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1),
+                       longest.reshape(1)]).cpu().tolist()
+    # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
+    idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
+    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
+                    perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
+                    chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
+                    search_steps=int(table[-1]).bit_length())
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):

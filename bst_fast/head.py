@@ -5,24 +5,34 @@ official implementation (microsoft/BST, model_bst.py TextHead).
 
 A head may also say how its work splits into per-token and per-pair parts, for the "torch" backend:
 
-    pair_parts(f, b, lengths) -> (prefix_parts, suffix_parts, tail)
+    pair_parts(f, b, lengths) -> PairParts(prefix, suffix, dtypes, tail)
 
-prefix_parts[k] and suffix_parts[k] are (B, L, w_k) tensors computed once per position (autograd
-maps their gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend
-forms x_k = prefix_parts[k][r, i] + suffix_parts[k][r, j], and tail([x_0, x_1, ...]) (each x_k
-(n, w_k) for n pairs) returns the (n, 2V) logits, equal to head(cat([f_i, b_j])). A part may be
-[f ; 0] and [0 ; b]: its sum is the concatenation. Positions at or beyond lengths are in no pair;
-a part that multiplies f or b by a weight zeroes them first (0 * NaN = NaN in dW).
+prefix[k] and suffix[k] are (B, L, w_k) tensors computed once per position (autograd maps their
+gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend forms
+x_k = prefix[k][r, i] + suffix[k][r, j], summed in float32 (float64 for float64 parts) and rounded
+once to dtypes[k], and tail([x_0, x_1, ...]) (each x_k (n, w_k) for n pairs) returns the (n, 2V)
+logits, equal to head(cat([f_i, b_j])). A part may be [f ; 0] and [0 ; b]: its sum is the
+concatenation. Positions at or beyond lengths are in no pair; a part that multiplies f or b by a
+weight zeroes them first (0 * NaN = NaN in dW).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._pairs import ACTIVATIONS
+
+
+class PairParts(NamedTuple):
+    """A head's work split into per-position parts and a per-pair tail (see the module docstring)."""
+
+    prefix: List[torch.Tensor]
+    suffix: List[torch.Tensor]
+    dtypes: List[torch.dtype]  # x_k is rounded once to dtypes[k]
+    tail: Callable
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -107,17 +117,12 @@ class TextHead(nn.Module):
 
     def pair_parts(self, f, b, lengths):
         """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
-        act(A_i + B_j), rounded once to the layers' dtype, and the later layers (see the module
+        A_i + B_j rounded once to the layers' dtype, then act and the later layers (see the module
         docstring)."""
         dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
         with torch.autocast(f.device.type, enabled=False):
             A, B = self.first_layer_states(f, b, lengths, dtype)
-        out_dtype = self.layers[0].weight.dtype
-
-        def tail(xs):
-            return self._after_first_layer(xs[0].to(out_dtype))
-
-        return [A], [B], tail
+        return PairParts([A], [B], [self.layers[0].weight.dtype], lambda xs: self._after_first_layer(xs[0]))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
@@ -249,15 +254,11 @@ class ResidualSwiGLUHead(nn.Module):
         # layers' dtype, as [f ; b] W^T would be: two bf16 parts rounded apart and then added miss
         # docs/contract.md §6's bound (2x the materialised error) on some gradients.
         acc = torch.float64 if f.dtype == torch.float64 else torch.float32
-        out_dtype = self.mlp[0].gate_up.weight.dtype
         with torch.autocast(f.device.type, enabled=False):
             gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
         xf, xb = concat_parts(f, b)
-
-        def tail(xs):
-            return self._after_gate_up(xs[0], xs[1].to(out_dtype))
-
-        return [xf, gf], [xb, gb], tail
+        return PairParts([xf, gf], [xb, gb], [f.dtype, self.mlp[0].gate_up.weight.dtype],
+                         lambda xs: self._after_gate_up(xs[0], xs[1]))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"

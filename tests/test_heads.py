@@ -78,9 +78,10 @@ def test_pair_parts_give_the_head_on_each_pair(kind):
     head = (make_head(5, 7, hidden=[6, 4], n_layers=3) if kind == "mlp" else make_swiglu(5, 7, hidden=9)).double()
     f, b = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(2, 6, 5, dtype=torch.float64)
     lengths = torch.tensor([6, 4])
-    pre, suf, tail = head.pair_parts(f, b, lengths)
+    parts = head.pair_parts(f, b, lengths)
     row, i, j = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2, 0, 1]), torch.tensor([5, 4, 3, 3])
-    got = tail([P[row, i] + Q[row, j] for P, Q in zip(pre, suf)])
+    assert parts.dtypes == [torch.float64] * len(parts.prefix)
+    got = parts.tail([P[row, i] + Q[row, j] for P, Q in zip(parts.prefix, parts.suffix)])
     assert torch.allclose(got, head(torch.cat([f[row, i], b[row, j]], -1)), rtol=1e-12, atol=1e-12)
 
 

@@ -351,7 +351,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
-from bst_fast.backends.configs import chunk_config
+from bst_fast.backends.configs import chunk_config, gather_config
+from bst_fast.kernels.activation import NO_ACT
 import torch
 
 try:
@@ -360,18 +361,28 @@ except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
 INTS = {"s0", "n", "h", "V", "seg_lo", "w_stride", "steps"}
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
+NO = NO_ACT.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
-    for V, widths in ((1000, [512]), (32000, [768, 768]), (3001, [200])):
-        cfg = chunk_config("cuda", V, widths, dtype)
-        for fn, consts, warps in (
-            (pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"]),
-            (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["BK"]), 4),
-            (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["BK"]), 4),
-            (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"]),
-        ):
+    # the triton backend's launch configs at three shapes, then the torch backend's pair sums
+    # (no activation) of the SwiGLU head's gate/up parts (float32 tables) and residual (dtype tables)
+    for V, widths in ((1000, [512]), (32000, [768, 768]), (3001, [200]), (0, [5376]), (0, [1024])):
+        cfg = chunk_config("cuda", V or 1000, widths, dtype)
+        if V:
+            launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
+                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
+                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
+                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"], "*fp32"))
+        else:
+            g = gather_config("cuda", widths[0])
+            table = "*fp32" if widths[0] > 1024 else dt
+            launches = ((pair_hidden_kernel, dict(ACT=NO, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
+                        (prefix_grad_kernel, dict(ACT=NO, BS=g["BS"], BK=g["BK"]), 4, table),
+                        (suffix_grad_kernel, dict(ACT=NO, BS=g["BS"], BK=g["BK"]), 4, table))
+        for fn, consts, warps, table in launches:
             sig = {}
             for name in inspect.signature(fn.fn).parameters:
-                sig[name] = ("constexpr" if name in consts else "i32" if name in INTS else "fp32" if name == "lam"
+                sig[name] = ("constexpr" if name in consts else "i32" if name in INTS
+                             else "fp32" if name in ("lam", "scale") else table if name in ("A", "Bm")
                              else INDEX.get(name, dt if name in ("H", "dH", "Z") else "*fp32"))
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
@@ -386,7 +397,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep)]
             assert regs and spills, rep
             assert max(spills) == 0, (fn.fn.__name__, dt, V, rep)
-            print(fn.fn.__name__, dt, V, "registers", max(regs))
+            print(fn.fn.__name__, dt, V, widths, consts["ACT"] if "ACT" in consts else "", "registers", max(regs))
 print("compiled")
 '''
 

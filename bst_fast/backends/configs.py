@@ -25,13 +25,19 @@ def chunk_config(device_type: str, V: int, widths, dtype) -> dict:
     # layer's z1 = A_i + B_j is recomputed); dH and dZ of the widest; the loss row (float32)
     per_pair = es * (2 * V + sum(widths) + sum(widths[1:]) + 2 * max(widths)) + 4
     chunk = CHUNK_PAIRS or max(1, CHUNK_BYTES // per_pair)
-    h1 = widths[0]
+    if device_type == "cuda":
+        return dict(chunk=chunk, **gather_config(device_type, widths[0]),
+                    BV=min(4096, triton.next_power_of_2(V)), ce_warps=4 if V <= 2048 else 8)
+    return dict(chunk=chunk, **gather_config(device_type, widths[0]),
+                BV=min(16, triton.next_power_of_2(V)), ce_warps=4)
+
+
+def gather_config(device_type: str, width: int) -> dict:
+    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide."""
     if device_type == "cuda":
         # The gathers are memory-bound: 16 elements a thread (BM x BK or BS x BK over 4 warps) keeps
         # registers low enough for several blocks per SM. 64 x 128 at 4 warps spilled 360 bytes
         # (ptxas, sm_90): the int64 row offsets double the registers of every gathered element.
-        return dict(chunk=chunk, BM=16, BK=min(128, triton.next_power_of_2(h1)), BS=16, hidden_warps=4,
-                    BV=min(4096, triton.next_power_of_2(V)), ce_warps=4 if V <= 2048 else 8)
+        return dict(BM=16, BK=min(128, triton.next_power_of_2(width)), BS=16, hidden_warps=4)
     # the interpreter: small blocks that still exercise every loop
-    return dict(chunk=chunk, BM=16, BK=min(16, triton.next_power_of_2(h1)), BS=4, hidden_warps=4,
-                BV=min(16, triton.next_power_of_2(V)), ce_warps=4)
+    return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), BS=4, hidden_warps=4)

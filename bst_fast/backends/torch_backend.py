@@ -1,22 +1,31 @@
 """The "torch" backend: any head module, all pairs in large chunks across rows, each chunk's head
 graph built by torch autograd, differentiated and freed before the next.
 
-The pair set is one flat list on the device (`_pairs.flat_pairs`: ia = row * L + i, ib = row * L + j,
-built once without a loop over rows), cut into chunks of `chunk_pairs` pairs: no host
-synchronisation per chunk. The head's work splits into parts computed once per position and a
+The pair set is one sorted flat list on the device (`_pairs.pair_list`: ia = row * L + i,
+ib = row * L + j, built once without a loop over rows), cut into chunks of `chunk_pairs` pairs: no
+host synchronisation per chunk. The head's work splits into parts computed once per position and a
 per-pair tail (`pair_parts`, see head.py): TextHead splits its first layer, ResidualSwiGLUHead its
 gate/up projection; any other head gets [f ; 0] and [0 ; b], whose pair sum is [f_i ; b_j]. Per
-chunk of n pairs, for each part (P, Q) of width w and with es the logits' bytes:
+chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
 
-    x      = P[ia] + Q[ib]                (n, w): one embedding_bag over [P ; Q] (_PairSum)
+    x      = P[ia] + Q[ib]                (n, w): summed in float32 (float64), rounded once to the
+             part's dtype (_PairSum; the engines below)
     logits = tail(x, ...)                 (n, 2V): the head's per-pair work, built by autograd
     CE     = row max, exp, float32 (float64) sums; the logits become w·(softmax - onehot) in place
              (5 passes over n*2V*es bytes; on a GPU no float32 copy of the logits, on the CPU
              torch upcasts one for the float32 sum)
     grads  = autograd.grad(logits, parameters, that gradient); on the way back each pair sum adds
-             x's gradient into d[P ; Q] at ia and B*L + ib (index_add_, float32; float64 for
-             float64), so no per-chunk gradient of P or Q is made
+             x's gradient into the float32 (float64) d[P ; Q] itself: no per-chunk gradient of P or
+             Q is made
     dparam += grads                       float32 (float64 for float64)
+
+Two engines form the pair sums and add their gradients back:
+- Triton (CUDA tensors, float32 accumulation): the triton backend's kernels without an activation
+  (kernels/pair_hidden.py). Forward one read of two rows (L2 hits) and one write of n*w*es; backward
+  the prefix and suffix segment sums, each one read of x's gradient (n*w*es), no atomics: bitwise
+  reproducible, and no float32 copy of x or of its gradient.
+- torch ops (the CPU, and float64): one embedding_bag over [P ; Q], then a cast; backward
+  index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a GPU).
 
 A chunk holds about CHUNK_BYTES in its widest per-pair tensor (the logits for a TextHead, the
 gate/up sums for a ResidualSwiGLUHead). The loss is the graph's last node, so the forward computes
@@ -32,8 +41,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._pairs import Pairs, flat_pairs
-from ..head import concat_parts
+from .._pairs import PairList, Pairs, pair_list
+from ..head import PairParts, concat_parts
 
 # Bytes of a chunk's widest per-pair tensor. On a GPU: 256 MB (the logits of 65k pairs at V=1000 in
 # bf16); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU a smaller chunk stays in cache.
@@ -41,6 +50,9 @@ CHUNK_BYTES = int(float(os.environ.get("BST_FAST_TORCH_CHUNK_MB", "256")) * 2**2
 CPU_CHUNK_BYTES = 16 * 2**20
 # A fixed number of pairs per chunk instead of the byte budget (tests set it).
 CHUNK_PAIRS: Optional[int] = None
+# The pair-sum engine: None picks Triton for CUDA tensors; True forces it (the CPU through
+# TRITON_INTERPRET=1, tests), False the torch ops. float64 always takes the torch ops.
+TRITON_SUMS: Optional[bool] = None
 
 
 def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
@@ -85,79 +97,154 @@ class _SavedStorages:
         return None in self.ptrs or t.untyped_storage().data_ptr() in self.ptrs
 
 
+class _TorchSums:
+    """The pair sums through torch ops: x = P[ia] + Q[ib] as one embedding_bag over the stacked
+    table [P ; Q] (rows ia and B*L + ib), cast to the part's dtype; the gradient cast to the
+    accumulator's dtype and added into d[P ; Q] at both rows by index_add_."""
+
+    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads):
+        BL = prefix[0].shape[0] * prefix[0].shape[1]
+        self.tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
+        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self._rows = (None, None)
+
+    def rows(self, chunk):
+        if self._rows[0] != chunk[0]:  # one (n, 2) index per chunk, shared by the parts
+            s0, n = chunk[:2]
+            self._rows = (s0, torch.stack([self.pl.ia[s0 : s0 + n], self.pl.ib[s0 : s0 + n] + self.BL], 1).long())
+        return self._rows[1]
+
+    def gather(self, k, chunk):
+        with torch.autocast(self.tables[k].device.type, enabled=False):
+            return F.embedding_bag(self.rows(chunk), self.tables[k], mode="sum").to(self.dtypes[k])
+
+    def add_grad(self, k, chunk, grad, scale):
+        g = grad.to(self.grads[k].dtype)
+        if scale != 1.0:
+            g = g * scale
+        rows = self.rows(chunk)
+        self.grads[k].index_add_(0, rows[:, 0], g)
+        self.grads[k].index_add_(0, rows[:, 1], g)
+
+
+class _TritonSums:
+    """The pair sums through the triton backend's kernels without an activation (float32 sums,
+    rounded once to the part's dtype); the gradient reduced by the prefix and suffix segment
+    kernels straight from x's gradient into the float32 dP and dQ, in a fixed order."""
+
+    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads):
+        from ..kernels.activation import NO_ACT, interpreted_bf16
+        from .configs import gather_config
+
+        BL = prefix[0].shape[0] * prefix[0].shape[1]
+        self.P = [P.detach().reshape(BL, -1).contiguous() for P in prefix]
+        self.Q = [Q.detach().reshape(BL, -1).contiguous() for Q in suffix]
+        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
+        self.up = [interpreted_bf16(d) for d in dtypes]
+        self.no_act = NO_ACT.value
+
+    def gather(self, k, chunk):
+        import triton
+        from ..kernels.pair_hidden import pair_hidden_kernel
+
+        s0, n = chunk[:2]
+        P, Q, cfg = self.P[k], self.Q[k], self.cfg[k]
+        w = P.shape[1]
+        x = torch.empty(n, w, dtype=self.dtypes[k], device=P.device)
+        pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(w, cfg["BK"]))](
+            P, Q, self.pl.ia, self.pl.ib, x, s0, n, w, ACT=self.no_act, BM=cfg["BM"], BK=cfg["BK"], UP=self.up[k],
+            num_warps=cfg["hidden_warps"])
+        return x
+
+    def add_grad(self, k, chunk, grad, scale):
+        import triton
+        from ..kernels.pair_hidden import prefix_grad_kernel, suffix_grad_kernel
+
+        s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
+        P, Q, cfg, pl = self.P[k], self.Q[k], self.cfg[k], self.pl
+        w = P.shape[1]
+        g = grad.contiguous()
+        dP, dQ = self.grads[k][: self.BL], self.grads[k][self.BL :]
+        if pre_hi > pre_lo:
+            prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(w, cfg["BK"]))](
+                g, P, Q, pl.ib, pl.pre_off, pre_lo, dP, s0, n, w, scale, ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
+        if suf_hi > suf_lo:
+            suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(w, cfg["BK"]))](
+                g, P, Q, pl.ia, pl.perm, pl.suf_off, suf_lo, dQ, s0, n, w, pl.search_steps, scale,
+                ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
+
+
+def _use_triton(device: torch.device, acc) -> bool:
+    if acc != torch.float32 or TRITON_SUMS is False:
+        return False
+    if TRITON_SUMS:
+        return True
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # a CUDA machine without Triton: the torch ops
+        return False
+    return True
+
+
 class _PairSum(torch.autograd.Function):
-    """x = P[ia] + Q[ib] for the pairs of a chunk: one embedding_bag (the sum of two rows, in float32
-    for 16-bit tables) over the stacked table [P ; Q] with rows = [ia, B*L + ib]. The backward
-    converts x's gradient to the accumulator's dtype once and adds it into `into` (the table's
-    float32 or float64 gradient) at both rows itself, returning none: no per-chunk gradient of the
-    table is made. `token` (a leaf that requires grad) puts this node in the graph."""
+    """x_k of a chunk (sums.gather); the backward adds x's gradient, times `scale`, into the part's
+    accumulator itself (sums.add_grad) and returns none. `token` (a leaf that requires grad) puts
+    this node in the graph."""
 
     @staticmethod
-    def forward(ctx, table, rows, into, token, unscale):
-        ctx.save_for_backward(rows)
-        ctx.into, ctx.unscale = into, unscale
-        return _pair_sum(table, rows)
+    def forward(ctx, token, sums, k, chunk, scale):
+        ctx.sums, ctx.k, ctx.chunk, ctx.scale = sums, k, chunk, scale
+        return sums.gather(k, chunk)
 
     @staticmethod
     def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        g = grad.to(ctx.into.dtype)
-        if ctx.unscale != 1.0:  # the chunk's gradient was scaled down (float16, see _ChunkedLoss)
-            g = g * ctx.unscale
-        ctx.into.index_add_(0, rows[:, 0], g)
-        ctx.into.index_add_(0, rows[:, 1], g)
+        ctx.sums.add_grad(ctx.k, ctx.chunk, grad, ctx.scale)
         return None, None, None, None, None
-
-
-def _pair_sum(table, rows):
-    with torch.autocast(table.device.type, enabled=False):
-        return F.embedding_bag(rows, table, mode="sum")
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, p, next_weight, vocab_size, tail, n_parts, grad_enabled, *inputs):
+    def forward(ctx, tokens, p, next_weight, vocab_size, tail, dtypes, n_parts, grad_enabled, *inputs):
         prefix, suffix, params = inputs[:n_parts], inputs[n_parts : 2 * n_parts], inputs[2 * n_parts :]
         acc = torch.float64 if any(t.dtype == torch.float64 for t in inputs[: 2 * n_parts]) else torch.float32
         dev = tokens.device
-        BL = tokens.numel()
+        Bn, L = tokens.shape
+        BL = Bn * L
         # needs_input_grad ignores grad mode (inside forward it is always off): the caller's
         # grad_enabled decides whether any gradient is computed at all.
-        need = [grad_enabled and n for n in ctx.needs_input_grad[7:]]
+        need = [grad_enabled and n for n in ctx.needs_input_grad[8:]]
         need_parts = [a or b for a, b in zip(need[:n_parts], need[n_parts : 2 * n_parts])]
         need_params = need[2 * n_parts :]
-        # [P ; Q] per part, (2 B L, w): a pair's x is the sum of its rows ia and B*L + ib
-        tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
-        grad_tables = [torch.zeros(t.shape, dtype=acc, device=dev) if n else None for t, n in zip(tables, need_parts)]
+        grads = [torch.zeros(2 * BL, P.shape[-1], dtype=acc, device=dev) if n else None
+                 for P, n in zip(prefix, need_parts)]  # d[P ; Q] per part
         wrt_params = [q for q, n in zip(params, need_params) if n]
         grad_params = [None] * len(wrt_params)  # created at the first chunk that reaches them
         token = torch.zeros((), device=dev, requires_grad=True)
         backprop = any(need_parts) or bool(wrt_params)
 
-        ia, ib, weight = flat_pairs(p, tokens.shape[1])
-        total = ia.numel()
-        wscale = (p.scale if weight is None else weight.max()).to(acc)
-        w_rel = None if weight is None else (weight / weight.max()).to(acc).reshape(-1, 1, 1)
+        es = torch.finfo(torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
+                         else params[0].dtype if params else dtypes[0]).bits // 8
+        widest = max([2 * vocab_size * es] + [P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes)])
+        pl = pair_list(p, Bn, L, chunk_pairs(widest, dev), dtype=acc)
+        sums = (_TritonSums if _use_triton(dev, acc) else _TorchSums)(prefix, suffix, dtypes, pl, grads)
         lam = torch.tensor([next_weight, 1.0 - next_weight], dtype=acc, device=dev).reshape(1, 2, 1)
         tok = tokens.reshape(-1)
-        es = torch.finfo(torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
-                         else params[0].dtype if params else tables[0].dtype).bits // 8
-        widest = max([2 * vocab_size * es] + [t.shape[1] * t.element_size() for t in tables])
-        chunk = chunk_pairs(widest, dev)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
-        for s in range(0, total, chunk):
-            a, c = ia[s : s + chunk], ib[s : s + chunk]
-            n = a.numel()
-            rows = torch.stack([a, c + BL], 1)  # (n, 2)
+        fp16 = (params[0].dtype if params else dtypes[0]) == torch.float16
+        for chunk in pl.chunks:
+            s0, n = chunk[:2]
             # float16 parameter gradients are sums over the chunk's pairs of O(1) per-pair terms
             # (the weights are normalised): scaled by 1/sqrt(n) they neither overflow 65504 nor
             # fall to subnormals; the float32 accumulators multiply it back.
-            gs = n ** -0.5 if (params[0].dtype if params else tables[0].dtype) == torch.float16 else 1.0
+            gs = n ** -0.5 if fp16 else 1.0
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                xs = [_pair_sum(t, rows) if g is None else _PairSum.apply(t, rows, g, token, 1.0 / gs)
-                      for t, g in zip(tables, grad_tables)]
+                xs = [sums.gather(k, chunk) if g is None else _PairSum.apply(token, sums, k, chunk, 1.0 / gs)
+                      for k, g in enumerate(grads)]
                 logits = tail(xs)
                 del xs
             if logits.shape != (n, 2 * vocab_size):
@@ -169,24 +256,26 @@ class _ChunkedLoss(torch.autograd.Function):
             if (saved.holds(z) or not z.is_contiguous() or logits._base is not None
                     or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
+            a, c = pl.ia[s0 : s0 + n].long(), pl.ib[s0 : s0 + n].long()
             y = torch.stack([tok[a + 1], tok[c - 1]], 1)  # Next and Prev labels, (n, 2)
-            wl = lam if w_rel is None else lam * w_rel[s : s + chunk]
+            wl = lam if pl.w_stride == 0 else lam * pl.w[s0 : s0 + n].reshape(-1, 1, 1)
             loss += _cross_entropy_(z.view(n, 2, vocab_size), y, wl, backprop, gs)
             if not backprop:
                 continue
-            # The pair sums add into grad_tables on the way. allow_unused: a head may hold
+            # The pair sums add into `grads` on the way. allow_unused: a head may hold
             # parameters its per-pair work does not use.
-            grads = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
+            gp = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
             del logits, z
-            for k, g in enumerate(grads):
+            for k, g in enumerate(gp):
                 if g is not None:
                     if grad_params[k] is None:
                         grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
                     grad_params[k].add_(g, alpha=1.0 / gs)
+        wscale = pl.wscale
         loss = loss * wscale
         it = iter(g if g is None else g.mul_(wscale) for g in grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used per pair
-        halves = [(None, None) if g is None else g.mul_(wscale).split(BL) for g in grad_tables]
+        halves = [(None, None) if g is None else g.mul_(wscale).split(BL) for g in grads]
         grad_prefix = [h[0] if n else None for h, n in zip(halves, need[:n_parts])]
         grad_suffix = [h[1] if n else None for h, n in zip(halves, need[n_parts : 2 * n_parts])]
         ctx.save_for_backward(*grad_prefix, *grad_suffix, *grad_params)
@@ -197,7 +286,7 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         out = [None if g is None else (grad_loss * g).to(dt).reshape(shape)
                for g, (shape, dt) in zip(ctx.saved_tensors, ctx.shapes)]
-        return (None,) * 7 + tuple(out)
+        return (None,) * 8 + tuple(out)
 
 
 def _concat_parts(head):
@@ -207,13 +296,14 @@ def _concat_parts(head):
 
     def parts(f, b, lengths):
         xf, xb = concat_parts(f, b)
-        return [xf], [xb], tail
+        return PairParts([xf], [xb], [f.dtype], tail)
     return parts
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), a chunk of pairs at a time."""
     split = getattr(head, "pair_parts", None) or _concat_parts(head)
-    prefix_parts, suffix_parts, tail = split(f, b, p.lengths)
-    return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, tail, len(prefix_parts), torch.is_grad_enabled(),
-                              *prefix_parts, *suffix_parts, *head.parameters())
+    parts = split(f, b, p.lengths)
+    n = len(parts.prefix)
+    return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes), n,
+                              torch.is_grad_enabled(), *parts.prefix, *parts.suffix, *head.parameters())

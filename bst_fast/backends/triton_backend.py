@@ -25,89 +25,19 @@ torch.compile(fullgraph=True) see it as one opaque node.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 
 from .. import _pairs
-from .._pairs import Pairs
+from .._pairs import PairList, Pairs, pair_list
 from . import pair_loss_op
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import pair_cross_entropy_kernel
 from ..kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
 from .configs import chunk_config
-
-
-@dataclass
-class PairList:
-    """A batch's pairs as flat positions, sorted by (ia, ib), with their segments and chunk schedule.
-
-    ia = row * L + i indexes A (and the Next label tokens[ia + 1]); ib = row * L + j indexes B (and
-    the Prev label tokens[ib - 1]). Prefix segment a is the run of slots with ia = a (slots
-    pre_off[a] .. pre_off[a + 1]); suffix segment c is perm[suf_off[c] .. suf_off[c + 1]], the slots
-    with ib = c in increasing order.
-    """
-
-    ia: torch.Tensor  # (n,) int32 (int64 past 2**31 pairs or positions)
-    ib: torch.Tensor  # (n,) int32 (likewise)
-    w: torch.Tensor  # (n,) float32 pair weights / wscale, or (1,) read with stride 0 (all pairs)
-    w_stride: int
-    wscale: torch.Tensor  # () float32: the largest pair weight (the scale of all pairs); dz is in its units
-    perm: torch.Tensor  # (n,) int32 (likewise)
-    pre_off: torch.Tensor  # (B*L + 1,) int64
-    suf_off: torch.Tensor  # (B*L + 1,) int64
-    # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
-    chunks: List[Tuple[int, int, int, int, int, int]]
-    search_steps: int  # binary-search rounds that cover the longest suffix segment
-
-
-def _exclusive_cumsum(counts):
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-
-
-def pair_list(p: Pairs, B: int, L: int, chunk: int) -> PairList:
-    """Sort the pair set into a PairList cut into chunks of `chunk` slots: all on the device, two
-    host synchronisations (the pair count, then the chunk table)."""
-    dev = p.lengths.device
-    BL = B * L
-    ia, ib, weight = _pairs.flat_pairs(p, L)
-    total = ia.numel()
-    if weight is None:  # all pairs: ordered by (row, i, j) already, one weight for all
-        w = torch.ones(1, dtype=torch.float32, device=dev)
-        w_stride, wscale = 0, p.scale.float()
-    else:
-        order = torch.sort(ia * BL + ib, stable=True).indices
-        ia, ib = ia[order], ib[order]
-        wmax = weight.max()
-        w, wscale = (weight[order] / wmax).float(), wmax.float()
-        w_stride = 1
-    pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
-    perm = torch.sort(ib * BL + ia, stable=True).indices
-    suf_off = _exclusive_cumsum(torch.bincount(ib, minlength=BL))
-
-    n_chunks = triton.cdiv(total, chunk)
-    s0 = torch.arange(n_chunks, device=dev) * chunk
-    s1 = torch.clamp(s0 + chunk, max=total)
-    # prefix segments a with pre_off[a] < s1 and pre_off[a + 1] > s0 form one range
-    pre_lo = torch.searchsorted(pre_off[1:], s0, right=True)
-    pre_hi = torch.searchsorted(pre_off[:-1], s1, right=False)
-    # suffix segments met by a chunk: between its smallest and largest ib
-    pad = n_chunks * chunk - total
-    ib_pad = torch.cat([ib, ib.new_full((pad,), BL)]).reshape(n_chunks, chunk)
-    suf_lo = ib_pad.amin(1)
-    suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
-    longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
-    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1),
-                       longest.reshape(1)]).cpu().tolist()
-    # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
-    idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
-    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
-                    perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
-                    chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
-                    search_steps=int(table[-1]).bit_length())
 
 
 def _mm_f32(a, b):
@@ -168,10 +98,10 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
         del Z, Zs, Hs
         if pre_hi > pre_lo:
             prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(h1, BK))](
-                dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h1, ACT=act_id, BS=cfg["BS"], BK=BK)
+                dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h1, 1.0, ACT=act_id, BS=cfg["BS"], BK=BK)
         if suf_hi > suf_lo:
             suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(h1, BK))](
-                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, pl.search_steps,
+                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, pl.search_steps, 1.0,
                 ACT=act_id, BS=cfg["BS"], BK=BK)
     # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply back
     s = pl.wscale

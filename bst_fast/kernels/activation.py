@@ -13,6 +13,10 @@ import triton.language as tl
 from .._pairs import ACTIVATIONS
 
 ACT = {name: k for k, name in enumerate(ACTIVATIONS)}
+# No activation: the kernels then sum a pair's two rows and reduce plain gradients (the "torch"
+# backend's pair sums, backends/torch_backend.py), and skip the recompute of z.
+# NO_ACT.value at a launch; NO_ACT itself in kernel code (a constexpr global).
+NO_ACT = tl.constexpr(len(ACTIVATIONS))
 
 
 def interpreted_bf16(dtype) -> bool:
@@ -35,8 +39,10 @@ def act(z, ACT: tl.constexpr):
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
         return 0.5 * z * (1.0 + t)
-    else:
+    elif ACT == 4:
         return z / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+    else:
+        return z
 
 
 @triton.jit
@@ -54,9 +60,11 @@ def act_grad(z, ACT: tl.constexpr):
         t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
-    else:
+    elif ACT == 4:
         s = 1.0 / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
         return s * (1.0 + z * (1.0 - s))
+    else:
+        return 1.0
 
 
 @triton.jit

@@ -13,30 +13,35 @@ kernel finds by binary search. One program owns one segment and one block of hid
 fixed order and adds into dA / dB without atomics, so results are bitwise reproducible (chunks run
 one after another on the stream).
 
+With ACT = NO_ACT the same kernels are the "torch" backend's pair sums of a head's per-position
+parts (backends/torch_backend.py): H = A_ia + B_ib rounded once to H's dtype, and the plain segment
+sums of dH (no z to recompute, so A and B are not read in the backward).
+
 Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtype):
 - forward: 2 float32 reads of A, B rows (L2 hits: consecutive slots share ia, and a chunk's B rows
   fit in L2), one es write of H; no FLOPs worth counting next to the GEMMs.
 - backward: each reduction reads dH (es) and recomputes z1 (two float32 reads, mostly L2): about
-  2 * (es + 8) bytes; the sums are in float32 registers, one read-add-write of dA / dB per segment
-  and chunk. No atomics.
+  2 * (es + 8) bytes (2 * es under NO_ACT); the sums are in float32 registers, one read-add-write
+  of dA / dB per segment and chunk. No atomics.
 """
 import triton
 import triton.language as tl
 
-from .activation import act, act_grad, cast
+from .activation import NO_ACT, act, act_grad, cast
 
 
 @triton.jit
 def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h,
                        ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UP: tl.constexpr):
-    # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, in H's dtype.
+    # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, summed in float32, in H's dtype.
     r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = r < n
     m2 = rm[:, None] & (k[None, :] < h)
     a = tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) * h
     b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * h
-    z = tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0) + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0)
+    z = (tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
+         + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32))
     tl.store(H + r[:, None] * h + k[None, :], cast(act(z, ACT), H.dtype.element_ty, UP), mask=m2)
 
 
@@ -44,22 +49,26 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h,
 def _dz1_sum(dH, M, m_rows, z_fixed, slots, s0, h, k, m2, ACT: tl.constexpr):
     # sum over a block of slots of dH[slot - s0] * act'(z1), z1 = z_fixed (the segment's own A or B
     # row) + M[m_rows] (the other side's rows, gathered): the segment kernels' shared inner step.
-    z = z_fixed[None, :] + tl.load(M + m_rows[:, None] + k[None, :], mask=m2, other=0.0)
+    # Under NO_ACT, the plain sum of dH (z_fixed and M are not read).
     d = tl.load(dH + (slots - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
-    return tl.sum(tl.where(m2, d * act_grad(z, ACT), 0.0), axis=0)
+    if ACT != NO_ACT:
+        z = z_fixed[None, :] + tl.load(M + m_rows[:, None] + k[None, :], mask=m2, other=0.0)
+        d = d * act_grad(z, ACT)
+    return tl.sum(tl.where(m2, d, 0.0), axis=0)
 
 
 @triton.jit
-def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
+def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
+    # dA[a] += scale * (the chunk's part of the segment's sum).
     g = seg_lo + tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     a = g.to(tl.int64)
     lo = tl.maximum(tl.load(seg_off + g), s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
-    za = tl.load(A + a * h + k, mask=km, other=0.0)
+    za = tl.load(A + a * h + k, mask=km & (ACT != NO_ACT), other=0.0)
     acc = tl.zeros((BK,), dtype=tl.float32)
     for s in range(lo, hi, BS):
         q = s + tl.arange(0, BS)
@@ -67,7 +76,7 @@ def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h,
         m2 = qm[:, None] & km[None, :]
         b = tl.load(ib + q, mask=qm, other=0).to(tl.int64) * h
         acc += _dz1_sum(dH, Bm, b, za, q, s0, h, k, m2, ACT)
-    tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + acc, mask=km)
+    tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + scale * acc, mask=km)
 
 
 @triton.jit
@@ -84,11 +93,12 @@ def _first_at_least(perm, lo, hi, x, STEPS):
 
 
 @triton.jit
-def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps,
+def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]],
     # increasing; the chunk's part of them is found by binary search, so no program scans slots of
     # other chunks (a row's suffix segments span every chunk that holds part of the row).
+    # dB[c] += scale * (the chunk's part of the segment's sum).
     c = (seg_lo + tl.program_id(0)).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
@@ -96,7 +106,7 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps
     last = tl.load(seg_off + c + 1)
     lo = _first_at_least(perm, first, last, s0, steps)
     hi = _first_at_least(perm, lo, last, s0 + n, steps)
-    zb = tl.load(Bm + c * h + k, mask=km, other=0.0)
+    zb = tl.load(Bm + c * h + k, mask=km & (ACT != NO_ACT), other=0.0)
     acc = tl.zeros((BK,), dtype=tl.float32)
     for s in range(lo, hi, BS):
         q = s + tl.arange(0, BS)
@@ -105,4 +115,4 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps
         slot = tl.load(perm + q, mask=qm, other=0)
         a = tl.load(ia + slot, mask=qm, other=0).to(tl.int64) * h
         acc += _dz1_sum(dH, A, a, zb, slot, s0, h, k, m2, ACT)
-    tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + acc, mask=km)
+    tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + scale * acc, mask=km)
