@@ -20,6 +20,23 @@ from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grad
                       random_grad_out, reference64, rel_err)
 
 
+@pytest.fixture(params=["torch_ops", "triton"])
+def pair_sums(request, monkeypatch):
+    """The torch backend's pair-sum engine, both ways: torch ops, or the Triton kernels (through
+    the interpreter on the CPU). Yields the list of parts the Triton engine summed, so that a test
+    can check that the engine it asked for ran."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setattr(torch_backend, "TRITON_SUMS", request.param == "triton")
+    calls = []
+    real = torch_backend._TritonSums.gather
+    monkeypatch.setattr(torch_backend._TritonSums, "gather", lambda self, k, c: calls.append(k) or real(self, k, c))
+    yield request.param, calls
+    assert bool(calls) == (request.param == "triton"), "the pair-sum engine the test asked for did not run"
+
+
 def make_swiglu(m=7, V=13, hidden=10, bias=False, seed=0, scale=0.6):
     """A ResidualSwiGLUHead with N(0, scale^2) weights (a softmax far from flat), norm weights near 1."""
     g = torch.Generator().manual_seed(seed)
@@ -126,6 +143,31 @@ def test_chunk_boundaries(monkeypatch, kind, chunk):
                             pairs=0.5, generator_seed=seed, reduction="sum")
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["mlp", "swiglu", "other"])
+def test_triton_pair_sums_against_reference(case, kind, monkeypatch, pair_sums):
+    """Both pair-sum engines in float32 at docs/contract.md §6's tolerances, chunks of 7 pairs
+    (cutting rows anywhere) and of the byte budget (one chunk)."""
+    seed = 90 + 3 * list(CASES).index(case) + ["mlp", "swiglu", "other"].index(kind)
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed, bias=seed % 2 == 1), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
+    for chunk in (7, None):
+        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **CASES[case])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 13, 97])
+def test_triton_pair_sums_chunk_boundaries(monkeypatch, chunk, pair_sums):
+    """The segment sums of a chunk of one pair, of prime sizes, of rows shorter than a chunk, in
+    float32 with ragged rows; and the same with explicit pairs that repeat."""
+    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    seed = 130 + chunk
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=seed)
+    head = make_swiglu(seed=seed)
+    check_against_reference(f, b, tokens, head, backend="torch", seed=seed, lengths=torch.tensor([13, 4, 11]))
+    check_against_reference(f, b, tokens, head, backend="torch", seed=seed, pairs=CASES["explicit"]["pairs"])
+
+
 def test_chunk_size_from_the_byte_budget(monkeypatch):
     assert torch_backend.CHUNK_PAIRS is None
     if "BST_FAST_TORCH_CHUNK_MB" not in os.environ:
@@ -193,7 +235,7 @@ def test_logits_saved_by_the_head_are_not_overwritten(training):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])
-def test_half_precision_torch(kind, dtype):
+def test_half_precision_torch(kind, dtype, pair_sums):
     """docs/contract.md §6: error at most 2x that of the materialised run in the same dtype, plus 1e-3."""
     seed = 70 + (kind == "swiglu")
     f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
@@ -302,7 +344,7 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses  # it learns
 
 
-def test_float16_parameter_gradients_do_not_overflow():
+def test_float16_parameter_gradients_do_not_overflow(pair_sums):
     """A chunk's parameter gradient is a sum over its pairs; in float16 it must not overflow where
     the materialised run's (which carries 1/|P| inside) stays finite."""
     m, V, B, L = 4, 5, 3, 14
@@ -325,7 +367,7 @@ def test_float16_parameter_gradients_do_not_overflow():
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
-def test_bf16_swiglu_gate_up_parts_round_once():
+def test_bf16_swiglu_gate_up_parts_round_once(pair_sums):
     """The gate/up parts are summed per pair in float32 and rounded once, as [f ; b] W^T is: two
     bf16 parts rounded apart broke the 2x bound on mlp.2.bias for this draw."""
     B, L, m, V, seed = 3, 14, 6, 17, 3
