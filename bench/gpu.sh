@@ -28,14 +28,14 @@ step() {  # step <seconds> <log name> <command...>
 (timeout 150 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1) & build=$!
 P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T 0"
 [ "$quick" = 1 ] && P="$P --reps 5 --no-compile" || P="$P --reps 7"
-step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
-step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
-wait $build || { echo "!! build failed"; status=1; }
-step 120 check python3 bench/gpu_check.py
-step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 # Any head: TextHead and the official residual SwiGLU head through every backend that takes them.
 step 90 heads python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 --hidden 512 \
     --layers 2 --vocab 1000 --head mlp swiglu --backends all --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads.json"
+step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
+step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
+wait $build || { echo "!! build failed"; status=1; }
+step 150 check python3 bench/gpu_check.py
+step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"
 step 60 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"

@@ -1,7 +1,9 @@
-"""GPU correctness of the triton backend against the float64 reference (docs/contract.md §6), and its bitwise
+"""GPU correctness of the triton backend (TextHead) and of the torch backend with its Triton pair sums
+(ResidualSwiGLUHead, TextHead) against the float64 reference (docs/contract.md §6), and their bitwise
 reproducibility; prints one line per case and exits nonzero on any failure.
 
-    python bench/gpu_check.py          # needs a CUDA GPU
+    python bench/gpu_check.py                 # needs a CUDA GPU
+    python bench/gpu_check.py cuda torch      # one device, only the named backends
 """
 import copy
 import sys
@@ -13,8 +15,8 @@ import torch
 # imports cProfile): take bench/ off the path, put the project root on it.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bst_fast import TextHead, belief_state_loss  # noqa: E402
-from bst_fast.backends import configs  # noqa: E402
+from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
+from bst_fast.backends import configs, torch_backend  # noqa: E402
 
 
 def rel(x, y):
@@ -31,6 +33,7 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
 
 def main():
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    only = set(sys.argv[2:]) or {"triton", "torch"}
     failures = 0
     cases = [
         dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
@@ -40,14 +43,24 @@ def main():
         dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="relu", opts=dict(explicit=True)),
         dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="leaky_relu", opts=dict(pairs=0.3)),
     ]
+    # the torch backend (its Triton pair sums on a GPU) with the official head, and with a TextHead
+    cases += [dict(c, backend="torch", swiglu=True, bias=k == 1) for k, c in enumerate(cases)]
+    cases += [dict(cases[1], backend="torch")]
     for chunk in (None, 97):
-        configs.CHUNK_PAIRS = chunk
+        configs.CHUNK_PAIRS = torch_backend.CHUNK_PAIRS = chunk
         for k, c in enumerate(cases):
             g = torch.Generator().manual_seed(k)
-            head = TextHead(c["m"], c["V"], hidden=c["hidden"], n_layers=c["n_layers"], activation=c["act"])
+            backend = c.get("backend", "triton")
+            if backend not in only:
+                continue
+            if c.get("swiglu"):
+                head = ResidualSwiGLUHead(c["m"], c["V"], hidden=c["hidden"] if isinstance(c["hidden"], int) else 64,
+                                          bias=c["bias"])
+            else:
+                head = TextHead(c["m"], c["V"], hidden=c["hidden"], n_layers=c["n_layers"], activation=c["act"])
             with torch.no_grad():
-                for q in head.parameters():
-                    q.copy_(torch.randn(q.shape, generator=g) * 0.5)
+                for name, q in head.named_parameters():  # norm weights near 1
+                    q.copy_(torch.randn(q.shape, generator=g) * 0.5 + (name == "norm.weight"))
             head = head.to(dev)
             f = torch.randn(c["B"], c["L"], c["m"], generator=g).to(dev)
             b = torch.randn(c["B"], c["L"], c["m"], generator=g).to(dev)
@@ -67,8 +80,8 @@ def main():
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
             ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
             for dtype in (torch.float32, torch.bfloat16):
-                l1, g1 = run(f, b, tokens, head, dtype, scale, "triton", **regen())
-                l2, g2 = run(f, b, tokens, head, dtype, scale, "triton", **regen())
+                l1, g1 = run(f, b, tokens, head, dtype, scale, backend, **regen())
+                l2, g2 = run(f, b, tokens, head, dtype, scale, backend, **regen())
                 same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
                 el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
                 if dtype == torch.float32:
@@ -82,7 +95,7 @@ def main():
                     bound = f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
                 ok = ok and same
                 failures += not ok
-                print(f"chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
+                print(f"{backend:6} {type(head).__name__:18} chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
                       f"(bound {bound}) bitwise-reproducible={same} {'ok' if ok else 'FAIL'}", flush=True)
     print("all ok" if not failures else f"{failures} FAILED")
     return 1 if failures else 0

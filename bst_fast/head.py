@@ -238,17 +238,20 @@ class ResidualSwiGLUHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., 2m) -> (..., 2V)."""
-        return self._after_gate_up(x, self.mlp[0].gate_up(x))
+        gate, up = self.mlp[0].gate_up(x).chunk(2, dim=-1)
+        return self._after_gate_up(x, gate, up)
 
-    def _after_gate_up(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x + self.mlp[2](self.mlp[1](swiglu(gate_up))))
+    def _after_gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x + self.mlp[2](self.mlp[1](F.silu(gate) * up)))
         halves = x.unflatten(-1, (2, self.d_model))  # (..., 2, m): Next half, Prev half
         return self.lm_head(halves).flatten(-2)
 
     def pair_parts(self, f, b, lengths):
         """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum), in the head's
-        dtype, and the gate_up parts f Wf^T + c and b Wb^T in float32; per pair SwiGLU, Down, the
-        norm and lm_head (see the module docstring)."""
+        dtype, and the gate and up parts (f Wf^T + c and b Wb^T) in float32; per pair SwiGLU, Down,
+        the norm and lm_head (see the module docstring). Gate and up are separate parts, so that
+        their gradients reach the backend apart, without the concatenation that chunk()'s backward
+        would make."""
         f, b = zero_padding(f, lengths), zero_padding(b, lengths)
         # The gate_up parts in float32 (float64 for float64), their pair sum rounded once to the
         # layers' dtype, as [f ; b] W^T would be: two bf16 parts rounded apart and then added miss
@@ -257,8 +260,9 @@ class ResidualSwiGLUHead(nn.Module):
         with torch.autocast(f.device.type, enabled=False):
             gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
         xf, xb = concat_parts(f, b)
-        return PairParts([xf, gf], [xb, gb], [f.dtype, self.mlp[0].gate_up.weight.dtype],
-                         lambda xs: self._after_gate_up(xs[0], xs[1]))
+        dtype = self.mlp[0].gate_up.weight.dtype
+        return PairParts([xf, *gf.chunk(2, dim=-1)], [xb, *gb.chunk(2, dim=-1)], [f.dtype, dtype, dtype],
+                         lambda xs: self._after_gate_up(*xs))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"

@@ -31,8 +31,8 @@ def pair_sums(request, monkeypatch):
             pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
     monkeypatch.setattr(torch_backend, "TRITON_SUMS", request.param == "triton")
     calls = []
-    real = torch_backend._TritonSums.gather
-    monkeypatch.setattr(torch_backend._TritonSums, "gather", lambda self, k, c: calls.append(k) or real(self, k, c))
+    real = torch_backend._TritonOps.gather
+    monkeypatch.setattr(torch_backend._TritonOps, "gather", lambda self, k, c: calls.append(k) or real(self, k, c))
     yield request.param, calls
     assert bool(calls) == (request.param == "triton"), "the pair-sum engine the test asked for did not run"
 

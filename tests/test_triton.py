@@ -382,7 +382,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             sig = {}
             for name in inspect.signature(fn.fn).parameters:
                 sig[name] = ("constexpr" if name in consts else "i32" if name in INTS
-                             else "fp32" if name in ("lam", "scale") else table if name in ("A", "Bm")
+                             else "fp32" if name in ("lam", "scale", "gscale") else table if name in ("A", "Bm")
                              else INDEX.get(name, dt if name in ("H", "dH", "Z") else "*fp32"))
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

@@ -25,11 +25,14 @@ def chunk_config(device_type: str, V: int, widths, dtype) -> dict:
     # layer's z1 = A_i + B_j is recomputed); dH and dZ of the widest; the loss row (float32)
     per_pair = es * (2 * V + sum(widths) + sum(widths[1:]) + 2 * max(widths)) + 4
     chunk = CHUNK_PAIRS or max(1, CHUNK_BYTES // per_pair)
+    return dict(chunk=chunk, **gather_config(device_type, widths[0]), **ce_config(device_type, V))
+
+
+def ce_config(device_type: str, V: int) -> dict:
+    """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
     if device_type == "cuda":
-        return dict(chunk=chunk, **gather_config(device_type, widths[0]),
-                    BV=min(4096, triton.next_power_of_2(V)), ce_warps=4 if V <= 2048 else 8)
-    return dict(chunk=chunk, **gather_config(device_type, widths[0]),
-                BV=min(16, triton.next_power_of_2(V)), ce_warps=4)
+        return dict(BV=min(4096, triton.next_power_of_2(V)), ce_warps=4 if V <= 2048 else 8)
+    return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
 
 
 def gather_config(device_type: str, width: int) -> dict:

@@ -9,23 +9,24 @@ gate/up projection; any other head gets [f ; 0] and [0 ; b], whose pair sum is [
 chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
 
     x      = P[ia] + Q[ib]                (n, w): summed in float32 (float64), rounded once to the
-             part's dtype (_PairSum; the engines below)
+             part's dtype (_PairSum)
     logits = tail(x, ...)                 (n, 2V): the head's per-pair work, built by autograd
-    CE     = row max, exp, float32 (float64) sums; the logits become w·(softmax - onehot) in place
-             (5 passes over n*2V*es bytes; on a GPU no float32 copy of the logits, on the CPU
-             torch upcasts one for the float32 sum)
+    CE     = float32 (float64) logsumexp; the logits become w·(softmax - onehot) in place
     grads  = autograd.grad(logits, parameters, that gradient); on the way back each pair sum adds
              x's gradient into the float32 (float64) d[P ; Q] itself: no per-chunk gradient of P or
              Q is made
     dparam += grads                       float32 (float64 for float64)
 
-Two engines form the pair sums and add their gradients back:
-- Triton (CUDA tensors, float32 accumulation): the triton backend's kernels without an activation
-  (kernels/pair_hidden.py). Forward one read of two rows (L2 hits) and one write of n*w*es; backward
-  the prefix and suffix segment sums, each one read of x's gradient (n*w*es), no atomics: bitwise
-  reproducible, and no float32 copy of x or of its gradient.
-- torch ops (the CPU, and float64): one embedding_bag over [P ; Q], then a cast; backward
-  index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a GPU).
+Two engines do the pair sums, their gradients and the cross-entropy:
+- Triton (CUDA tensors, float32 accumulation; _TritonOps): the triton backend's kernels. The pair
+  sum is pair_hidden_kernel without an activation: one read of two rows (L2 hits) and one write of
+  n*w*es. Its gradient is the prefix and suffix segment sums: each reads x's gradient once
+  (n*w*es), no atomics, so results are bitwise reproducible, and no float32 copy of x or of its
+  gradient is made. The cross-entropy kernel reads and writes the logits once (2 * n*2V*es).
+- torch ops (the CPU, and float64; _TorchOps): one embedding_bag over [P ; Q] and a cast;
+  index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a
+  GPU); the cross-entropy in 5 passes over the logits (on the CPU torch upcasts a float32 copy of
+  16-bit logits for the sum).
 
 A chunk holds about CHUNK_BYTES in its widest per-pair tensor (the logits for a TextHead, the
 gate/up sums for a ResidualSwiGLUHead). The loss is the graph's last node, so the forward computes
@@ -97,15 +98,18 @@ class _SavedStorages:
         return None in self.ptrs or t.untyped_storage().data_ptr() in self.ptrs
 
 
-class _TorchSums:
-    """The pair sums through torch ops: x = P[ia] + Q[ib] as one embedding_bag over the stacked
-    table [P ; Q] (rows ia and B*L + ib), cast to the part's dtype; the gradient cast to the
-    accumulator's dtype and added into d[P ; Q] at both rows by index_add_."""
+class _TorchOps:
+    """A chunk's work around the head through torch ops. The pair sums: x = P[ia] + Q[ib] as one
+    embedding_bag over the stacked table [P ; Q] (rows ia and B*L + ib), cast to the part's dtype;
+    the gradient cast to the accumulator's dtype and added into d[P ; Q] at both rows by
+    index_add_. The cross-entropy: _cross_entropy_."""
 
-    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads):
+    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
         BL = prefix[0].shape[0] * prefix[0].shape[1]
         self.tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
         self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self.tok = tokens.reshape(-1)
+        self.lam = torch.tensor([next_weight, 1.0 - next_weight], dtype=pl.w.dtype, device=tokens.device).reshape(1, 2, 1)
         self._rows = (None, None)
 
     def rows(self, chunk):
@@ -126,13 +130,22 @@ class _TorchSums:
         self.grads[k].index_add_(0, rows[:, 0], g)
         self.grads[k].index_add_(0, rows[:, 1], g)
 
+    def cross_entropy_(self, z, chunk, need, gscale):
+        s0, n = chunk[:2]
+        rows = self.rows(chunk)
+        y = torch.stack([self.tok[rows[:, 0] + 1], self.tok[rows[:, 1] - self.BL - 1]], 1)  # Next, Prev labels
+        wl = self.lam if self.pl.w_stride == 0 else self.lam * self.pl.w[s0 : s0 + n].reshape(-1, 1, 1)
+        return _cross_entropy_(z.view(n, 2, -1), y, wl, need, gscale)
 
-class _TritonSums:
-    """The pair sums through the triton backend's kernels without an activation (float32 sums,
-    rounded once to the part's dtype); the gradient reduced by the prefix and suffix segment
-    kernels straight from x's gradient into the float32 dP and dQ, in a fixed order."""
 
-    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads):
+class _TritonOps:
+    """A chunk's work around the head through the triton backend's kernels. The pair sums without
+    an activation (float32 sums, rounded once to the part's dtype); their gradient reduced by the
+    prefix and suffix segment kernels straight from x's gradient into the float32 dP and dQ, in a
+    fixed order. The cross-entropy: pair_cross_entropy_kernel (one read and one write of the
+    logits, float32 loss per pair)."""
+
+    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
         from ..kernels.activation import NO_ACT, interpreted_bf16
         from .configs import gather_config
 
@@ -143,6 +156,8 @@ class _TritonSums:
         self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.no_act = NO_ACT.value
+        self.tok, self.lam = tokens.contiguous().reshape(-1), float(next_weight)
+        self.loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), dtype=torch.float32, device=tokens.device)
 
     def gather(self, k, chunk):
         import triton
@@ -174,6 +189,19 @@ class _TritonSums:
                 g, P, Q, pl.ia, pl.perm, pl.suf_off, suf_lo, dQ, s0, n, w, pl.search_steps, scale,
                 ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
 
+    def cross_entropy_(self, z, chunk, need, gscale):
+        from ..kernels.activation import interpreted_bf16
+        from ..kernels.cross_entropy import pair_cross_entropy_kernel
+        from .configs import ce_config
+
+        s0, n = chunk[:2]
+        V = z.shape[1] // 2
+        cfg = ce_config(z.device.type, V)
+        pair_cross_entropy_kernel[(n,)](
+            z, self.tok, self.pl.ia, self.pl.ib, self.pl.w, self.pl.w_stride, self.loss_rows, s0, V, self.lam, gscale,
+            NEED_GRAD=need, BV=cfg["BV"], UP=interpreted_bf16(z.dtype), num_warps=cfg["ce_warps"])
+        return self.loss_rows[:n].sum()
+
 
 def _use_triton(device: torch.device, acc) -> bool:
     if acc != torch.float32 or TRITON_SUMS is False:
@@ -190,18 +218,18 @@ def _use_triton(device: torch.device, acc) -> bool:
 
 
 class _PairSum(torch.autograd.Function):
-    """x_k of a chunk (sums.gather); the backward adds x's gradient, times `scale`, into the part's
-    accumulator itself (sums.add_grad) and returns none. `token` (a leaf that requires grad) puts
+    """x_k of a chunk (ops.gather); the backward adds x's gradient, times `scale`, into the part's
+    accumulator itself (ops.add_grad) and returns none. `token` (a leaf that requires grad) puts
     this node in the graph."""
 
     @staticmethod
-    def forward(ctx, token, sums, k, chunk, scale):
-        ctx.sums, ctx.k, ctx.chunk, ctx.scale = sums, k, chunk, scale
-        return sums.gather(k, chunk)
+    def forward(ctx, token, ops, k, chunk, scale):
+        ctx.ops, ctx.k, ctx.chunk, ctx.scale = ops, k, chunk, scale
+        return ops.gather(k, chunk)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.sums.add_grad(ctx.k, ctx.chunk, grad, ctx.scale)
+        ctx.ops.add_grad(ctx.k, ctx.chunk, grad, ctx.scale)
         return None, None, None, None, None
 
 
@@ -229,9 +257,7 @@ class _ChunkedLoss(torch.autograd.Function):
                          else params[0].dtype if params else dtypes[0]).bits // 8
         widest = max([2 * vocab_size * es] + [P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes)])
         pl = pair_list(p, Bn, L, chunk_pairs(widest, dev), dtype=acc)
-        sums = (_TritonSums if _use_triton(dev, acc) else _TorchSums)(prefix, suffix, dtypes, pl, grads)
-        lam = torch.tensor([next_weight, 1.0 - next_weight], dtype=acc, device=dev).reshape(1, 2, 1)
-        tok = tokens.reshape(-1)
+        ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, pl, grads, tokens, next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = (params[0].dtype if params else dtypes[0]) == torch.float16
@@ -243,7 +269,7 @@ class _ChunkedLoss(torch.autograd.Function):
             gs = n ** -0.5 if fp16 else 1.0
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                xs = [sums.gather(k, chunk) if g is None else _PairSum.apply(token, sums, k, chunk, 1.0 / gs)
+                xs = [ops.gather(k, chunk) if g is None else _PairSum.apply(token, ops, k, chunk, 1.0 / gs)
                       for k, g in enumerate(grads)]
                 logits = tail(xs)
                 del xs
@@ -256,10 +282,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if (saved.holds(z) or not z.is_contiguous() or logits._base is not None
                     or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
-            a, c = pl.ia[s0 : s0 + n].long(), pl.ib[s0 : s0 + n].long()
-            y = torch.stack([tok[a + 1], tok[c - 1]], 1)  # Next and Prev labels, (n, 2)
-            wl = lam if pl.w_stride == 0 else lam * pl.w[s0 : s0 + n].reshape(-1, 1, 1)
-            loss += _cross_entropy_(z.view(n, 2, vocab_size), y, wl, backprop, gs)
+            loss += ops.cross_entropy_(z, chunk, backprop, gs)
             if not backprop:
                 continue
             # The pair sums add into `grads` on the way. allow_unused: a head may hold

@@ -83,7 +83,7 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
             Hs.append(activation(act_name, Zs[-1]))
         Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
         pair_cross_entropy_kernel[(n,)](
-            Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, float(lam),
+            Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, float(lam), 1.0,
             NEED_GRAD=need, BV=cfg["BV"], UP=up, num_warps=cfg["ce_warps"])
         loss += loss_rows[:n].sum()
         if not need:

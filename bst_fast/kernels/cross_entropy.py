@@ -5,8 +5,10 @@ y_n = tokens[ia + 1] (the token after the prefix) and y_p = tokens[ib - 1] (the 
 suffix):
 
     loss[r] = w * (lam * (lse(Z[r, :V]) - Z[r, y_n]) + (1 - lam) * (lse(Z[r, V:]) - Z[r, V + y_p]))
-    Z[r, :V] <- w * lam * (softmax(Z[r, :V]) - onehot(y_n))          (NEED_GRAD only)
-    Z[r, V:] <- w * (1 - lam) * (softmax(Z[r, V:]) - onehot(y_p))
+    Z[r, :V] <- g * w * lam * (softmax(Z[r, :V]) - onehot(y_n))          (NEED_GRAD only)
+    Z[r, V:] <- g * w * (1 - lam) * (softmax(Z[r, V:]) - onehot(y_p))
+
+with g = gscale (1, or the torch backend's float16 chunk scale).
 
 One program per row; each half is two passes over V in blocks of BV: an online max / sum of
 exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
@@ -20,7 +22,7 @@ from .activation import cast
 
 
 @triton.jit
-def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam,
+def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gscale,
                               NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row = Z + r * 2 * V
@@ -52,6 +54,6 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam,
                 col = vb + tl.arange(0, BV)
                 cm = col < V
                 z = tl.load(zr + col, mask=cm, other=0.0).to(tl.float32)
-                d = cw * (tl.exp(z - lse) - tl.where(col == y, 1.0, 0.0))
+                d = (cw * gscale) * (tl.exp(z - lse) - tl.where(col == y, 1.0, 0.0))
                 tl.store(zr + col, cast(d, Z.dtype.element_ty, UP), mask=cm)
     tl.store(loss + r, total)
