@@ -417,3 +417,44 @@ def test_logits_viewing_a_parameter_are_not_overwritten(n_pairs):
     assert torch.equal(head.logit.detach(), before)
     ref = belief_state_loss(f, b, tokens, head, pairs=pairs, backend="reference")
     assert rel_err(loss, ref) < 1e-12
+
+
+class _BufferRows(nn.Module):
+    """Logits that are a contiguous slice of a buffer (no parameter, no saved tensor), plus a
+    learned bias so that there is a gradient: the buffer must survive the in-place cross-entropy."""
+
+    def __init__(self, V, n):
+        super().__init__()
+        self.vocab_size = V
+        self.register_buffer("table", torch.randn(n, 2 * V, dtype=torch.float64, generator=torch.Generator().manual_seed(83)))
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.table[: x.shape[0]] if not torch.is_grad_enabled() else self.table[: x.shape[0]] * self.scale
+
+
+def test_logits_viewing_a_buffer_are_not_overwritten():
+    B, L, m, V = 2, 6, 3, 4
+    g = torch.Generator().manual_seed(84)
+    f = torch.randn(B, L, m, dtype=torch.float64, generator=g)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = _BufferRows(V, 40)
+    before = head.table.clone()
+    with torch.no_grad():  # no grad: the logits are the buffer's rows themselves
+        loss = belief_state_loss(f, f, tokens, head, backend="torch")
+    assert torch.equal(head.table, before)
+    assert rel_err(loss, belief_state_loss(f, f, tokens, head, backend="reference")) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["mlp", "swiglu"])
+def test_the_heads_logits_are_overwritten_without_a_copy(monkeypatch, kind):
+    """Both heads' logits are fresh tensors of the chunk (the SwiGLU head's a flatten, a view, of
+    lm_head's output): the cross-entropy writes the gradient into them, with no copy of the logits."""
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, seed=85)
+    head = mlp if kind == "mlp" else make_swiglu(seed=85)
+    f.requires_grad_()
+    copies = []
+    real = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(tuple(t.shape)) or real(t, *a, **k))
+    belief_state_loss(f, b, tokens, head, backend="torch").backward()
+    assert not [s for s in copies if s[-1:] == (2 * 13,)], copies

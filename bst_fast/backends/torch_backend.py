@@ -278,8 +278,11 @@ class _ChunkedLoss(torch.autograd.Function):
                                  f"got {tuple(logits.shape)}")
             z = logits.detach()
             # z becomes its own gradient in place: not where a backward node reads it, nor in a
-            # view or a parameter's storage (a head may return a slice or an expand of one)
-            if (saved.holds(z) or not z.is_contiguous() or logits._base is not None
+            # parameter's storage, nor in a view of a tensor made outside this chunk's graph (a
+            # head may return a slice or an expand of a parameter or buffer). A view of a tensor
+            # the chunk computed (ResidualSwiGLUHead's flatten of lm_head's output) is overwritten.
+            made_here = logits._base is None or logits._base.grad_fn is not None
+            if (saved.holds(z) or not z.is_contiguous() or not made_here
                     or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
             loss += ops.cross_entropy_(z, chunk, backprop, gs)
