@@ -122,7 +122,7 @@ class TextHead(nn.Module):
         dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
         with torch.autocast(f.device.type, enabled=False):
             A, B = self.first_layer_states(f, b, lengths, dtype)
-        return PairParts([A], [B], [self.layers[0].weight.dtype], lambda xs: self._after_first_layer(xs[0]))
+        return PairParts([A], [B], [linear_dtype(self.layers[0], f.device.type)], lambda xs: self._after_first_layer(xs[0]))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
@@ -134,6 +134,14 @@ def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, dtype):
     w, c, m = linear.weight, linear.bias, f.shape[-1]
     return (F.linear(f.to(dtype), w[:, :m].to(dtype), None if c is None else c.to(dtype)),
             F.linear(b.to(dtype), w[:, m:].to(dtype)))
+
+
+def linear_dtype(linear: nn.Linear, device_type: str) -> torch.dtype:
+    """The dtype `linear(x)` has here: autocast's for a 16- or 32-bit layer under autocast, else
+    the layer's. A split layer's per-pair sum is rounded to it, as the unsplit layer's output is."""
+    if torch.is_autocast_enabled(device_type) and linear.weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type)
+    return linear.weight.dtype
 
 
 def concat_parts(f: torch.Tensor, b: torch.Tensor):
@@ -260,7 +268,7 @@ class ResidualSwiGLUHead(nn.Module):
         with torch.autocast(f.device.type, enabled=False):
             gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
         xf, xb = concat_parts(f, b)
-        dtype = self.mlp[0].gate_up.weight.dtype
+        dtype = linear_dtype(self.mlp[0].gate_up, f.device.type)
         return PairParts([xf, *gf.chunk(2, dim=-1)], [xb, *gb.chunk(2, dim=-1)], [f.dtype, dtype, dtype],
                          lambda xs: self._after_gate_up(*xs))
 

@@ -344,6 +344,28 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses  # it learns
 
 
+@pytest.mark.parametrize("kind", ["mlp", "swiglu"])
+def test_autocast_float32_model(kind, pair_sums):
+    """An fp32 model under bf16 autocast: the split layer's per-pair sum is rounded to bf16, as the
+    unsplit layer's autocast output is, and the error stays within 2x that of the materialised
+    objective under the same autocast, plus 1e-3."""
+    seed = 140 + (kind == "swiglu")
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = mlp if kind == "mlp" else make_swiglu(seed=seed)
+    opts = dict(lengths=torch.tensor([13, 6, 11]))
+    go = random_grad_out(seed)
+    ref_loss, ref_grads = reference64(f, b, tokens, head, go, **opts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = head.pair_parts(f, b, opts["lengths"])
+        mat = loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="reference", **opts)
+        loss, grads = loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="torch", **opts)
+    assert parts.dtypes[-1] == torch.bfloat16 and parts.dtypes[0] == (torch.bfloat16 if kind == "mlp" else torch.float32)
+    err, mat_err = errors(loss, grads, ref_loss, ref_grads), errors(*mat, ref_loss, ref_grads)
+    assert mat_err["loss"] > 1e-6  # autocast really ran in bf16
+    for name in err:
+        assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
+
+
 def test_float16_parameter_gradients_do_not_overflow(pair_sums):
     """A chunk's parameter gradient is a sum over its pairs; in float16 it must not overflow where
     the materialised run's (which carries 1/|P| inside) stays finite."""
