@@ -114,6 +114,7 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
     BL = B * L
     ia, ib, weight = flat_pairs(p, L)
     total = ia.numel()
+    chunk = max(1, min(chunk, total))  # the last chunk is padded to `chunk` slots below
     if weight is None:  # all pairs: ordered by (row, i, j) already, one weight for all
         w = torch.ones(1, dtype=dtype, device=dev)
         w_stride, wscale = 0, p.scale.to(dtype)

@@ -197,6 +197,18 @@ def test_flat_pairs_are_the_pair_set_in_order():
     assert w is None and torch.equal(ia, row * L + i) and torch.equal(ib, row * L + j)
 
 
+def test_pair_list_chunk_larger_than_the_pairs():
+    """A chunk budget far above the pair count gives one chunk of all pairs, without allocating
+    for the budget (the last chunk is padded to the chunk size)."""
+    B, L = 2, 9
+    f = torch.zeros(B, L, 2)
+    p = _pairs.prepare(f, f, torch.zeros(B, L, dtype=torch.long), 1, lengths=None, prefix_start=0, min_gap=2,
+                       max_gap=None, pairs=None, next_weight=0.5, reduction="mean", generator=None)
+    pl = _pairs.pair_list(p, B, L, 10**12)  # would need terabytes if padded to the budget
+    total = pl.ia.numel()
+    assert total == 2 * 28 and [c[:2] for c in pl.chunks] == [(0, total)]
+
+
 def test_no_host_synchronisation_per_chunk(monkeypatch):
     """The number of device-to-host reads (item, tolist, int(), bool(), ...) does not grow with the
     number of chunks: the pair list is built once and sliced."""
@@ -389,6 +401,30 @@ def test_float16_parameter_gradients_do_not_overflow(pair_sums):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
+def test_float16_autocast_parameter_gradients_do_not_overflow(pair_sums):
+    """The same under float16 autocast with a float32 model: the head's products, and a chunk's
+    weight gradient summed over its pairs, are float16 there too, so the chunk scale applies."""
+    m, V, B, L = 4, 5, 3, 14
+    f = torch.zeros(B, L, m)
+    f[..., 0] = 600.0
+    b = torch.zeros(B, L, m)
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    g = torch.Generator().manual_seed(81)
+    head = nn.Linear(2 * m, 2 * V)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 1e-3)
+        head.bias.zero_()
+    grads = {}
+    for backend in ("reference", "torch"):
+        h = copy.deepcopy(head)
+        with torch.autocast("cpu", dtype=torch.float16):
+            belief_state_loss(f, b, tokens, h, backend=backend, next_weight=1.0).backward()
+        grads[backend] = h.weight.grad
+    assert torch.isfinite(grads["reference"]).all()
+    assert torch.isfinite(grads["torch"]).all()
+    assert rel_err(grads["torch"], grads["reference"]) < 1e-2
+
+
 def test_bf16_swiglu_gate_up_parts_round_once(pair_sums):
     """The gate/up parts are summed per pair in float32 and rounded once, as [f ; b] W^T is: two
     bf16 parts rounded apart broke the 2x bound on mlp.2.bias for this draw."""
@@ -466,6 +502,32 @@ def test_logits_viewing_a_buffer_are_not_overwritten():
         loss = belief_state_loss(f, f, tokens, head, backend="torch")
     assert torch.equal(head.table, before)
     assert rel_err(loss, belief_state_loss(f, f, tokens, head, backend="reference")) < 1e-12
+
+
+class _CachedRows(nn.Module):
+    """Logits that are rows of a tensor with a grad_fn made before the loss (param + 1, kept by the
+    head): not the chunk's own result, so the in-place cross-entropy must not write into it."""
+
+    def __init__(self, V, n):
+        super().__init__()
+        self.vocab_size = V
+        self.param = nn.Parameter(torch.randn(n, 2 * V, dtype=torch.float64, generator=torch.Generator().manual_seed(86)))
+        self.table = self.param + 1.0
+
+    def forward(self, x):
+        return self.table[: x.shape[0]]
+
+
+def test_logits_viewing_an_earlier_result_are_not_overwritten():
+    B, L, m, V = 2, 6, 3, 4
+    g = torch.Generator().manual_seed(87)
+    f = torch.randn(B, L, m, dtype=torch.float64, generator=g)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = _CachedRows(V, 40)
+    before = head.table.detach().clone()
+    belief_state_loss(f, f, tokens, head, backend="torch").backward()
+    assert torch.equal(head.table.detach(), before)
+    assert head.param.grad is not None
 
 
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])

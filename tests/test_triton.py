@@ -359,7 +359,7 @@ try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "V", "seg_lo", "w_stride", "steps"}
+INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps"}
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
 NO = NO_ACT.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):

@@ -104,6 +104,8 @@ class _TorchOps:
     the gradient cast to the accumulator's dtype and added into d[P ; Q] at both rows by
     index_add_. The cross-entropy: _cross_entropy_."""
 
+    writes_logits_without_grad = True  # the cross-entropy works in place on the logits
+
     def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
         BL = prefix[0].shape[0] * prefix[0].shape[1]
         self.tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
@@ -115,7 +117,7 @@ class _TorchOps:
     def rows(self, chunk):
         if self._rows[0] != chunk[0]:  # one (n, 2) index per chunk, shared by the parts
             s0, n = chunk[:2]
-            self._rows = (s0, torch.stack([self.pl.ia[s0 : s0 + n], self.pl.ib[s0 : s0 + n] + self.BL], 1).long())
+            self._rows = (s0, torch.stack([self.pl.ia[s0 : s0 + n].long(), self.pl.ib[s0 : s0 + n].long() + self.BL], 1))
         return self._rows[1]
 
     def gather(self, k, chunk):
@@ -145,14 +147,23 @@ class _TritonOps:
     fixed order. The cross-entropy: pair_cross_entropy_kernel (one read and one write of the
     logits, float32 loss per pair)."""
 
+    writes_logits_without_grad = False  # without gradients the cross-entropy only reads the logits
+
     def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
         from ..kernels.activation import NO_ACT, interpreted_bf16
         from .configs import gather_config
 
         BL = prefix[0].shape[0] * prefix[0].shape[1]
-        self.P = [P.detach().reshape(BL, -1).contiguous() for P in prefix]
-        self.Q = [Q.detach().reshape(BL, -1).contiguous() for Q in suffix]
-        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self.P, self.Q = [], []
+        for P, Q in zip(prefix, suffix):
+            # rows may be ld apart (the SwiGLU head's gate and up: column halves of one table), but
+            # each row contiguous and both tables alike; otherwise a contiguous copy
+            P, Q = P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)
+            if P.stride(1) != 1 or Q.stride() != P.stride():
+                P, Q = P.contiguous(), Q.contiguous()
+            self.P.append(P)
+            self.Q.append(Q)
+        self.dtypes, self.pl, self.grads, self.BL, self.dev = dtypes, pl, grads, BL, tokens.device
         self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.no_act = NO_ACT.value
@@ -162,44 +173,51 @@ class _TritonOps:
     def gather(self, k, chunk):
         import triton
         from ..kernels.pair_hidden import pair_hidden_kernel
+        from .configs import on_device
 
         s0, n = chunk[:2]
         P, Q, cfg = self.P[k], self.Q[k], self.cfg[k]
         w = P.shape[1]
         x = torch.empty(n, w, dtype=self.dtypes[k], device=P.device)
-        pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(w, cfg["BK"]))](
-            P, Q, self.pl.ia, self.pl.ib, x, s0, n, w, ACT=self.no_act, BM=cfg["BM"], BK=cfg["BK"], UP=self.up[k],
-            num_warps=cfg["hidden_warps"])
+        with on_device(self.dev):
+            pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(w, cfg["BK"]))](
+                P, Q, self.pl.ia, self.pl.ib, x, s0, n, w, P.stride(0), ACT=self.no_act, BM=cfg["BM"], BK=cfg["BK"],
+                UP=self.up[k], num_warps=cfg["hidden_warps"])
         return x
 
     def add_grad(self, k, chunk, grad, scale):
         import triton
         from ..kernels.pair_hidden import prefix_grad_kernel, suffix_grad_kernel
+        from .configs import on_device
 
         s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
         P, Q, cfg, pl = self.P[k], self.Q[k], self.cfg[k], self.pl
         w = P.shape[1]
         g = grad.contiguous()
         dP, dQ = self.grads[k][: self.BL], self.grads[k][self.BL :]
-        if pre_hi > pre_lo:
-            prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(w, cfg["BK"]))](
-                g, P, Q, pl.ib, pl.pre_off, pre_lo, dP, s0, n, w, scale, ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
-        if suf_hi > suf_lo:
-            suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(w, cfg["BK"]))](
-                g, P, Q, pl.ia, pl.perm, pl.suf_off, suf_lo, dQ, s0, n, w, pl.search_steps, scale,
-                ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
+        # without an activation the kernels read only g and the index lists, never P or Q (whose
+        # rows may be strided): g, dP and dQ are contiguous, w wide
+        with on_device(self.dev):
+            if pre_hi > pre_lo:
+                prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(w, cfg["BK"]))](
+                    g, P, Q, pl.ib, pl.pre_off, pre_lo, dP, s0, n, w, scale, ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
+            if suf_hi > suf_lo:
+                suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(w, cfg["BK"]))](
+                    g, P, Q, pl.ia, pl.perm, pl.suf_off, suf_lo, dQ, s0, n, w, pl.search_steps, scale,
+                    ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
 
     def cross_entropy_(self, z, chunk, need, gscale):
         from ..kernels.activation import interpreted_bf16
         from ..kernels.cross_entropy import pair_cross_entropy_kernel
-        from .configs import ce_config
+        from .configs import ce_config, on_device
 
         s0, n = chunk[:2]
         V = z.shape[1] // 2
         cfg = ce_config(z.device.type, V)
-        pair_cross_entropy_kernel[(n,)](
-            z, self.tok, self.pl.ia, self.pl.ib, self.pl.w, self.pl.w_stride, self.loss_rows, s0, V, self.lam, gscale,
-            NEED_GRAD=need, BV=cfg["BV"], UP=interpreted_bf16(z.dtype), num_warps=cfg["ce_warps"])
+        with on_device(self.dev):
+            pair_cross_entropy_kernel[(n,)](
+                z, self.tok, self.pl.ia, self.pl.ib, self.pl.w, self.pl.w_stride, self.loss_rows, s0, V, self.lam,
+                gscale, NEED_GRAD=need, BV=cfg["BV"], UP=interpreted_bf16(z.dtype), num_warps=cfg["ce_warps"])
         return self.loss_rows[:n].sum()
 
 
@@ -253,14 +271,17 @@ class _ChunkedLoss(torch.autograd.Function):
         token = torch.zeros((), device=dev, requires_grad=True)
         backprop = any(need_parts) or bool(wrt_params)
 
-        es = torch.finfo(torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
-                         else params[0].dtype if params else dtypes[0]).bits // 8
+        # the dtype of the head's matrix products: autocast's, else the parameters'
+        compute = params[0].dtype if params else dtypes[0]
+        if torch.is_autocast_enabled(dev.type) and compute != torch.float64:
+            compute = torch.get_autocast_dtype(dev.type)
+        es = compute.itemsize
         widest = max([2 * vocab_size * es] + [P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes)])
         pl = pair_list(p, Bn, L, chunk_pairs(widest, dev), dtype=acc)
         ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, pl, grads, tokens, next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
-        fp16 = (params[0].dtype if params else dtypes[0]) == torch.float16
+        fp16 = compute == torch.float16
         for chunk in pl.chunks:
             s0, n = chunk[:2]
             # float16 parameter gradients are sums over the chunk's pairs of O(1) per-pair terms
@@ -269,6 +290,8 @@ class _ChunkedLoss(torch.autograd.Function):
             gs = n ** -0.5 if fp16 else 1.0
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
+                first = token.view(()).grad_fn._sequence_nr() if backprop else None
                 xs = [ops.gather(k, chunk) if g is None else _PairSum.apply(token, ops, k, chunk, 1.0 / gs)
                       for k, g in enumerate(grads)]
                 logits = tail(xs)
@@ -279,11 +302,15 @@ class _ChunkedLoss(torch.autograd.Function):
             z = logits.detach()
             # z becomes its own gradient in place: not where a backward node reads it, nor in a
             # parameter's storage, nor in a view of a tensor made outside this chunk's graph (a
-            # head may return a slice or an expand of a parameter or buffer). A view of a tensor
-            # the chunk computed (ResidualSwiGLUHead's flatten of lm_head's output) is overwritten.
-            made_here = logits._base is None or logits._base.grad_fn is not None
-            if (saved.holds(z) or not z.is_contiguous() or not made_here
-                    or z.untyped_storage().data_ptr() in param_storages):
+            # head may return a slice or an expand of a parameter, a buffer or an earlier result).
+            # A view of a tensor the chunk computed (ResidualSwiGLUHead's flatten of lm_head's
+            # output) is overwritten.
+            base = logits._base
+            made_here = base is None or (first is not None and base.grad_fn is not None
+                                         and base.grad_fn._sequence_nr() > first)
+            overwrites = backprop or ops.writes_logits_without_grad
+            if not z.is_contiguous() or overwrites and (saved.holds(z) or not made_here
+                                                         or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
             loss += ops.cross_entropy_(z, chunk, backprop, gs)
             if not backprop:

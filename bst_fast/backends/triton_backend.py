@@ -37,7 +37,7 @@ from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import pair_cross_entropy_kernel
 from ..kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
-from .configs import chunk_config
+from .configs import chunk_config, on_device
 
 
 def _mm_f32(a, b):
@@ -76,7 +76,7 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     for s0, n, pre_lo, pre_hi, suf_lo, suf_hi in pl.chunks:
         H = torch.empty(n, h1, dtype=dtype, device=dev)
         pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h1, BK))](
-            A, Bm, pl.ia, pl.ib, H, s0, n, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up, num_warps=cfg["hidden_warps"])
+            A, Bm, pl.ia, pl.ib, H, s0, n, h1, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up, num_warps=cfg["hidden_warps"])
         Hs, Zs = [H], []
         for w, c in zip(weights[:-1], biases[:-1]):
             Zs.append(torch.addmm(c, Hs[-1], w.t()))
@@ -153,8 +153,9 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
               weight=None if row is None else weight)
     cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
     pl = pair_list(p, Bn, L, cfg["chunk"])
-    loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, [w.contiguous() for w in weights],
-                               [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype, cfg)
+    with on_device(A.device):
+        loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, [w.contiguous() for w in weights],
+                                   [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype, cfg)
     if not need_grad:
         empty = lambda: A.new_empty(0)
         return loss, empty(), empty(), [empty() for _ in weights], [empty() for _ in biases]

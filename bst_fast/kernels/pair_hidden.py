@@ -31,15 +31,16 @@ from .activation import NO_ACT, act, act_grad, cast
 
 
 @triton.jit
-def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h,
+def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld,
                        ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UP: tl.constexpr):
     # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, summed in float32, in H's dtype.
+    # Rows of A and B are ld elements apart (a column slice of a wider table), those of H h.
     r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = r < n
     m2 = rm[:, None] & (k[None, :] < h)
-    a = tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) * h
-    b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * h
+    a = tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) * ld
+    b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * ld
     z = (tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
          + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32))
     tl.store(H + r[:, None] * h + k[None, :], cast(act(z, ACT), H.dtype.element_ty, UP), mask=m2)
