@@ -542,3 +542,25 @@ def test_the_heads_logits_are_overwritten_without_a_copy(monkeypatch, kind):
     monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(tuple(t.shape)) or real(t, *a, **k))
     belief_state_loss(f, b, tokens, head, backend="torch").backward()
     assert not [s for s in copies if s[-1:] == (2 * 13,)], copies
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [None, 333])
+def test_torch_backend_on_a_gpu(monkeypatch, chunk, pair_sums):
+    """On a GPU, at widths above one kernel block and chunks across rows: float32 at
+    docs/contract.md §6's tolerances, both heads, both engines; with the Triton engine (the default
+    there) two runs are bitwise equal."""
+    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    dev = torch.device("cuda")
+    f, b, tokens, mlp = make_inputs(B=3, L=61, m=72, V=517, hidden=[160, 96], n_layers=3, seed=150)
+    lengths = torch.tensor([61, 40, 23])
+    for head in (mlp, make_swiglu(m=72, V=517, hidden=300, seed=150, scale=0.2)):
+        check_against_reference(f.to(dev), b.to(dev), tokens.to(dev), head.to(dev), backend="torch", seed=150,
+                                lengths=lengths.to(dev))
+        if pair_sums[0] == "triton":
+            runs = [loss_and_grads(f.to(dev), b.to(dev), tokens.to(dev), copy.deepcopy(head).to(dev), 1.3,
+                                   backend="torch", pairs=0.5, generator=torch.Generator().manual_seed(1))
+                    for _ in range(2)]
+            assert torch.equal(runs[0][0], runs[1][0])
+            assert all(torch.equal(x, runs[1][1][k]) for k, x in runs[0][1].items() if x is not None)
