@@ -31,6 +31,9 @@ P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T
 # Any head: TextHead and the official residual SwiGLU head through every backend that takes them.
 step 90 heads python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 --hidden 512 \
     --layers 2 --vocab 1000 --head mlp swiglu --backends all --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads.json"
+# where the SwiGLU head's time goes, in a training step at the issue's shape (the torch backend)
+step 90 profile-swiglu python3 bench/profile.py --device cuda --head swiglu --batch 32 --T 256 --d-model 512 \
+    --enc-layers 4 --steps 2 --out "$out"
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
 wait $build || { echo "!! build failed"; status=1; }

@@ -1,11 +1,13 @@
-"""torch.profiler trace of one BST training step: two causal encoders, TextHead, belief_state_loss, AdamW.
+"""torch.profiler trace of one BST training step: two causal encoders, a head (TextHead, or with
+--head swiglu the official ResidualSwiGLUHead), belief_state_loss, AdamW.
 
-Writes bench/results/<device name>-profile.json (chrome trace, open in chrome://tracing or Perfetto)
-and bench/results/<device name>-profile.txt (the top-kernel table). NVTX ranges mark the encoders,
+Writes bench/results/<device name>-profile[-swiglu].json (chrome trace, open in chrome://tracing or
+Perfetto) and bench/results/<device name>-profile[-swiglu].txt (the top-kernel table). NVTX ranges mark the encoders,
 the pair loss and the optimizer, so an nsys capture of this script shows the same phases.
 
     python bench/profile.py --device cuda            # the H100 profiling run (bf16, auto backend)
     python bench/profile.py --device cpu --T 16      # smoke test
+    python bench/profile.py --head swiglu --batch 32 --d-model 512   # the torch backend's SwiGLU path
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bst_fast import TextHead, belief_state_loss  # noqa: E402
+from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
 
 
 class Encoder(nn.Module):
@@ -68,6 +70,8 @@ def main():
     ap.add_argument("--enc-layers", type=int, default=None, help="8 on cuda, 1 on cpu")
     ap.add_argument("--hidden", type=int, default=None, help="head width: 512 on cuda, 32 on cpu")
     ap.add_argument("--head-layers", type=int, default=3)
+    ap.add_argument("--head", choices=["mlp", "swiglu"], default="mlp",
+                    help="mlp: TextHead (--hidden, --head-layers); swiglu: ResidualSwiGLUHead (default width)")
     ap.add_argument("--vocab", type=int, default=None, help="1000 on cuda, 50 on cpu")
     ap.add_argument("--backend", default=None, help="belief_state_loss backend: triton on cuda, torch on cpu")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps after 2 warm-up steps")
@@ -86,7 +90,10 @@ def main():
     torch.manual_seed(0)
     fwd = Encoder(V, m, n_enc, max(1, m // 64), L).to(dev, dtype)
     bwd = Encoder(V, m, n_enc, max(1, m // 64), L).to(dev, dtype)
-    head = TextHead(m, V, hidden=h, n_layers=a.head_layers, activation="gelu").to(dev, dtype)
+    if a.head == "swiglu":
+        head = ResidualSwiGLUHead(m, V).to(dev, dtype)
+    else:
+        head = TextHead(m, V, hidden=h, n_layers=a.head_layers, activation="gelu").to(dev, dtype)
     params = [*fwd.parameters(), *bwd.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-4)
     tokens = torch.randint(0, V, (B, L), device=dev)
@@ -144,11 +151,12 @@ def main():
     phase_table += f"| step | {total:.1f} ({1e3 / total:.2f} it/s) |\n"
 
     os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"{name}-profile")
+    base = os.path.join(a.out, f"{name}-profile" + ("-swiglu" if a.head == "swiglu" else ""))
     prof.export_chrome_trace(base + ".json")
     key = "cuda_time_total" if gpu else "cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
-    head_line = (f"# {name}: B={B} T={T} m={m} enc_layers={n_enc} head={a.head_layers}x{h} V={V} "
+    shape = f"swiglu {head.hidden}" if a.head == "swiglu" else f"{a.head_layers}x{h}"
+    head_line = (f"# {name}: B={B} T={T} m={m} enc_layers={n_enc} head={shape} V={V} "
                  f"{dtype} backend={backend}, {a.steps} steps, loss {loss.item():.4f}\n")
     with open(base + ".txt", "w") as fh:
         fh.write(head_line + phase_table + "\n" + table + "\n")
