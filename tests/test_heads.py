@@ -174,8 +174,10 @@ def test_chunk_size_from_the_byte_budget(monkeypatch):
         assert torch_backend.CHUNK_BYTES == 256 * 2**20  # the GPU default
     assert torch_backend.chunk_pairs(4000, torch.device("cuda")) == 256 * 2**20 // 4000
     assert torch_backend.chunk_pairs(10**12, torch.device("cpu")) == 1
-    # A budget of 5 pairs' logits (2V float64 each) on the CPU: chunks of 5 across rows, still exact.
-    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * 2 * 13 * 8)
+    # A budget of 5 pairs' logits and first-layer sums (2V + h float64 each) on the CPU: chunks of 5
+    # across rows, still exact.
+    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * (2 * 13 + 9) * 8)
+    assert torch_backend.chunk_pairs((2 * 13 + 9) * 8 + 1, torch.device("cpu")) == 4
     sizes = []
     real = torch_backend._cross_entropy_
     monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real(z, *a))

@@ -28,8 +28,10 @@ Two engines do the pair sums, their gradients and the cross-entropy:
   GPU); the cross-entropy in 5 passes over the logits (on the CPU torch upcasts a float32 copy of
   16-bit logits for the sum).
 
-A chunk holds about CHUNK_BYTES in its widest per-pair tensor (the logits for a TextHead, the
-gate/up sums for a ResidualSwiGLUHead). The loss is the graph's last node, so the forward computes
+A chunk holds about CHUNK_BYTES in the per-pair tensors the backend makes: the parts' sums and the
+logits (the head's own intermediates come on top: for the SwiGLU head about three times as much).
+Every part counts, not only the widest: the SwiGLU head's residual, gate and up sums are each
+narrower than its logits, but together four times wider. The loss is the graph's last node, so the forward computes
 every gradient and the backward only scales them by grad_output (autograd then maps the parts'
 gradients back to f, b and the split weights). Pair weights are divided by the largest one (so
 that fp16 gradients do not underflow) and multiplied back at the end.
@@ -45,8 +47,9 @@ import torch.nn.functional as F
 from .._pairs import PairList, Pairs, pair_list
 from ..head import PairParts, concat_parts
 
-# Bytes of a chunk's widest per-pair tensor. On a GPU: 256 MB (the logits of 65k pairs at V=1000 in
-# bf16); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU a smaller chunk stays in cache.
+# Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
+# V=1000 in bf16, 16k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
+# a smaller chunk stays in cache.
 CHUNK_BYTES = int(float(os.environ.get("BST_FAST_TORCH_CHUNK_MB", "256")) * 2**20)
 CPU_CHUNK_BYTES = 16 * 2**20
 # A fixed number of pairs per chunk instead of the byte budget (tests set it).
@@ -57,7 +60,7 @@ TRITON_SUMS: Optional[bool] = None
 
 
 def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
-    """Pairs per chunk: CHUNK_PAIRS if set, else the byte budget over the widest per-pair tensor."""
+    """Pairs per chunk: CHUNK_PAIRS if set, else the byte budget over the bytes per pair."""
     if CHUNK_PAIRS is not None:
         return int(CHUNK_PAIRS)
     budget = CHUNK_BYTES if device.type != "cpu" else CPU_CHUNK_BYTES
@@ -276,8 +279,8 @@ class _ChunkedLoss(torch.autograd.Function):
         if torch.is_autocast_enabled(dev.type) and compute != torch.float64:
             compute = torch.get_autocast_dtype(dev.type)
         es = compute.itemsize
-        widest = max([2 * vocab_size * es] + [P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes)])
-        pl = pair_list(p, Bn, L, chunk_pairs(widest, dev), dtype=acc)
+        per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes))
+        pl = pair_list(p, Bn, L, chunk_pairs(per_pair, dev), dtype=acc)
         ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, pl, grads, tokens, next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
