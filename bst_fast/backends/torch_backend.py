@@ -21,8 +21,8 @@ Two engines do the pair sums, their gradients and the cross-entropy:
 - Triton (CUDA tensors, float32 accumulation; _TritonOps): the triton backend's kernels. The pair
   sum is pair_hidden_kernel without an activation: one read of two rows (L2 hits) and one write of
   n*w*es. Its gradient is the prefix and suffix segment sums: each reads x's gradient once
-  (n*w*es), no atomics, so results are bitwise reproducible, and no float32 copy of x or of its
-  gradient is made. The cross-entropy kernel reads and writes the logits once (2 * n*2V*es).
+  (n*w*es), no atomics (these sums are reproducible; the head's own are torch's), and no float32
+  copy of x or of its gradient is made. The cross-entropy kernel reads and writes the logits once (2 * n*2V*es).
 - torch ops (the CPU, and float64; _TorchOps): one embedding_bag over [P ; Q] and a cast;
   index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a
   GPU); the cross-entropy in 5 passes over the logits (on the CPU torch upcasts a float32 copy of
@@ -31,9 +31,11 @@ Two engines do the pair sums, their gradients and the cross-entropy:
 A chunk holds about CHUNK_BYTES in the per-pair tensors the backend makes: the parts' sums and the
 logits (the head's own intermediates come on top: for the SwiGLU head about three times as much).
 Every part counts, not only the widest: the SwiGLU head's residual, gate and up sums are each
-narrower than its logits, but together four times wider. The loss is the graph's last node, so the forward computes
-every gradient and the backward only scales them by grad_output (autograd then maps the parts'
-gradients back to f, b and the split weights). Pair weights are divided by the largest one (so
+narrower than its logits, but together four times wider.
+
+The loss is the graph's last node, so the forward computes every gradient and the backward only
+scales them by grad_output (autograd then maps the parts' gradients back to f, b and the split
+weights). Pair weights are divided by the largest one (so
 that fp16 gradients do not underflow) and multiplied back at the end.
 """
 from __future__ import annotations
