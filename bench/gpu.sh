@@ -31,6 +31,10 @@ P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T
 # Any head: TextHead and the official residual SwiGLU head through every backend that takes them.
 step 90 heads python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 --hidden 512 \
     --layers 2 --vocab 1000 --head mlp swiglu --backends all --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads.json"
+# the torch backend's chunk budget at twice the default (fewer chunks: ~100 launches each, host-bound
+# if a chunk's GPU work is short), its memory against the 5% bar
+step 60 heads-512mb env BST_FAST_TORCH_CHUNK_MB=512 python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 \
+    --d-model 512 --vocab 1000 --head swiglu --backends torch --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads-512mb.json"
 # where the SwiGLU head's time goes, in a training step at the issue's shape (the torch backend)
 step 90 profile-swiglu python3 bench/profile.py --device cuda --head swiglu --batch 32 --T 256 --d-model 512 \
     --enc-layers 4 --steps 2 --out "$out"
