@@ -382,19 +382,26 @@ def test_autocast_float32_model(kind, pair_sums):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
-def test_float16_parameter_gradients_do_not_overflow(pair_sums):
-    """A chunk's parameter gradient is a sum over its pairs; in float16 it must not overflow where
-    the materialised run's (which carries 1/|P| inside) stays finite."""
+def _large_float16_gradients(seed):
+    """(f, b, tokens, head): a linear head whose float16 weight gradient, summed over a chunk's
+    pairs without scaling, overflows 65504."""
     m, V, B, L = 4, 5, 3, 14
     f = torch.zeros(B, L, m)
     f[..., 0] = 600.0
     b = torch.zeros(B, L, m)
     tokens = torch.zeros(B, L, dtype=torch.long)
-    g = torch.Generator().manual_seed(80)
+    g = torch.Generator().manual_seed(seed)
     head = nn.Linear(2 * m, 2 * V)
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 1e-3)
         head.bias.zero_()
+    return f, b, tokens, head
+
+
+def test_float16_parameter_gradients_do_not_overflow(pair_sums):
+    """A chunk's parameter gradient is a sum over its pairs; in float16 it must not overflow where
+    the materialised run's (which carries 1/|P| inside) stays finite."""
+    f, b, tokens, head = _large_float16_gradients(80)
     f16, b16, h16 = f.half(), b.half(), copy.deepcopy(head).half()
     ref_loss, ref_grads = reference64(f16, b16, tokens, h16, 1.0, next_weight=1.0)
     mat_loss, mat_grads = loss_and_grads(f16, b16, tokens, copy.deepcopy(h16), 1.0, backend="reference", next_weight=1.0)
@@ -408,16 +415,7 @@ def test_float16_parameter_gradients_do_not_overflow(pair_sums):
 def test_float16_autocast_parameter_gradients_do_not_overflow(pair_sums):
     """The same under float16 autocast with a float32 model: the head's products, and a chunk's
     weight gradient summed over its pairs, are float16 there too, so the chunk scale applies."""
-    m, V, B, L = 4, 5, 3, 14
-    f = torch.zeros(B, L, m)
-    f[..., 0] = 600.0
-    b = torch.zeros(B, L, m)
-    tokens = torch.zeros(B, L, dtype=torch.long)
-    g = torch.Generator().manual_seed(81)
-    head = nn.Linear(2 * m, 2 * V)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 1e-3)
-        head.bias.zero_()
+    f, b, tokens, head = _large_float16_gradients(81)
     grads = {}
     for backend in ("reference", "torch"):
         h = copy.deepcopy(head)
