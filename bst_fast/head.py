@@ -169,11 +169,10 @@ class _SwiGLU(nn.Module):
         self.gate_up = nn.Linear(d_in, 2 * hidden, bias=bias)
 
     def forward(self, x):
-        return swiglu(self.gate_up(x))
+        return swiglu(*self.gate_up(x).chunk(2, dim=-1))
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
@@ -250,7 +249,7 @@ class ResidualSwiGLUHead(nn.Module):
         return self._after_gate_up(x, gate, up)
 
     def _after_gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x + self.mlp[2](self.mlp[1](F.silu(gate) * up)))
+        x = self.norm(x + self.mlp[2](self.mlp[1](swiglu(gate, up))))
         halves = x.unflatten(-1, (2, self.d_model))  # (..., 2, m): Next half, Prev half
         return self.lm_head(halves).flatten(-2)
 

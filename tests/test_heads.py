@@ -21,15 +21,15 @@ from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grad
 
 
 @pytest.fixture(params=["torch_ops", "triton"])
-def pair_sums(request, monkeypatch):
-    """The torch backend's pair-sum engine, both ways: torch ops, or the Triton kernels (through
+def engine(request, monkeypatch):
+    """The torch backend's engine, both ways: torch ops, or the Triton kernels (through
     the interpreter on the CPU). Yields the list of parts the Triton engine summed, so that a test
     can check that the engine it asked for ran."""
     if request.param == "triton":
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
-    monkeypatch.setattr(torch_backend, "TRITON_SUMS", request.param == "triton")
+    monkeypatch.setattr(torch_backend, "TRITON_OPS", request.param == "triton")
     calls = []
     real = torch_backend._TritonOps.gather
     monkeypatch.setattr(torch_backend._TritonOps, "gather", lambda self, k, c: calls.append(k) or real(self, k, c))
@@ -145,7 +145,7 @@ def test_chunk_boundaries(monkeypatch, kind, chunk):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", ["mlp", "swiglu", "other"])
-def test_triton_pair_sums_against_reference(case, kind, monkeypatch, pair_sums):
+def test_both_engines_against_reference(case, kind, monkeypatch, engine):
     """Both pair-sum engines in float32 at docs/contract.md §6's tolerances, chunks of 7 pairs
     (cutting rows anywhere) and of the byte budget (one chunk)."""
     seed = 90 + 3 * list(CASES).index(case) + ["mlp", "swiglu", "other"].index(kind)
@@ -157,7 +157,7 @@ def test_triton_pair_sums_against_reference(case, kind, monkeypatch, pair_sums):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 13, 97])
-def test_triton_pair_sums_chunk_boundaries(monkeypatch, chunk, pair_sums):
+def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
     """The segment sums of a chunk of one pair, of prime sizes, of rows shorter than a chunk, in
     float32 with ragged rows; and the same with explicit pairs that repeat."""
     monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
@@ -249,7 +249,7 @@ def test_logits_saved_by_the_head_are_not_overwritten(training):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])
-def test_half_precision_torch(kind, dtype, pair_sums):
+def test_half_precision_torch(kind, dtype, engine):
     """docs/contract.md §6: error at most 2x that of the materialised run in the same dtype, plus 1e-3."""
     seed = 70 + (kind == "swiglu")
     f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
@@ -361,7 +361,7 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])
-def test_autocast_float32_model(kind, pair_sums):
+def test_autocast_float32_model(kind, engine):
     """An fp32 model under bf16 autocast: the split layer's per-pair sum is rounded to bf16, as the
     unsplit layer's autocast output is, and the error stays within 2x that of the materialised
     objective under the same autocast, plus 1e-3."""
@@ -398,7 +398,7 @@ def _large_float16_gradients(seed):
     return f, b, tokens, head
 
 
-def test_float16_parameter_gradients_do_not_overflow(pair_sums):
+def test_float16_parameter_gradients_do_not_overflow(engine):
     """A chunk's parameter gradient is a sum over its pairs; in float16 it must not overflow where
     the materialised run's (which carries 1/|P| inside) stays finite."""
     f, b, tokens, head = _large_float16_gradients(80)
@@ -412,7 +412,7 @@ def test_float16_parameter_gradients_do_not_overflow(pair_sums):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
-def test_float16_autocast_parameter_gradients_do_not_overflow(pair_sums):
+def test_float16_autocast_parameter_gradients_do_not_overflow(engine):
     """The same under float16 autocast with a float32 model: the head's products, and a chunk's
     weight gradient summed over its pairs, are float16 there too, so the chunk scale applies."""
     f, b, tokens, head = _large_float16_gradients(81)
@@ -427,7 +427,7 @@ def test_float16_autocast_parameter_gradients_do_not_overflow(pair_sums):
     assert rel_err(grads["torch"], grads["reference"]) < 1e-2
 
 
-def test_bf16_swiglu_gate_up_parts_round_once(pair_sums):
+def test_bf16_swiglu_gate_up_parts_round_once(engine):
     """The gate/up parts are summed per pair in float32 and rounded once, as [f ; b] W^T is: two
     bf16 parts rounded apart broke the 2x bound on mlp.2.bias for this draw."""
     B, L, m, V, seed = 3, 14, 6, 17, 3
@@ -450,6 +450,14 @@ def test_bf16_swiglu_gate_up_parts_round_once(pair_sums):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
+def _tiny_inputs(seed):
+    """f, b (2, 6, 3) float64 and tokens over V=4: for heads that ignore their input."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)
+    b = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)
+    return f, b, torch.randint(0, 4, (2, 6), generator=g)
+
+
 class _ExpandedLogits(nn.Module):
     """Logits that are a view (an expand) of a parameter: the in-place cross-entropy must not write
     its gradient into the parameter."""
@@ -465,12 +473,8 @@ class _ExpandedLogits(nn.Module):
 
 @pytest.mark.parametrize("n_pairs", [1, 3])
 def test_logits_viewing_a_parameter_are_not_overwritten(n_pairs):
-    B, L, m, V = 2, 6, 3, 4
-    g = torch.Generator().manual_seed(82)
-    f = torch.randn(B, L, m, dtype=torch.float64, generator=g)
-    b = torch.randn(B, L, m, dtype=torch.float64, generator=g)
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    head = _ExpandedLogits(V)
+    f, b, tokens = _tiny_inputs(82)
+    head = _ExpandedLogits(4)
     before = head.logit.detach().clone()
     pairs = (torch.tensor([0, 1, 1])[:n_pairs], torch.tensor([0, 1, 2])[:n_pairs], torch.tensor([3, 4, 5])[:n_pairs])
     loss = belief_state_loss(f, b, tokens, head, pairs=pairs, backend="torch")
@@ -494,11 +498,8 @@ class _BufferRows(nn.Module):
 
 
 def test_logits_viewing_a_buffer_are_not_overwritten():
-    B, L, m, V = 2, 6, 3, 4
-    g = torch.Generator().manual_seed(84)
-    f = torch.randn(B, L, m, dtype=torch.float64, generator=g)
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    head = _BufferRows(V, 40)
+    f, _, tokens = _tiny_inputs(84)
+    head = _BufferRows(4, 40)
     before = head.table.clone()
     with torch.no_grad():  # no grad: the logits are the buffer's rows themselves
         loss = belief_state_loss(f, f, tokens, head, backend="torch")
@@ -521,11 +522,8 @@ class _CachedRows(nn.Module):
 
 
 def test_logits_viewing_an_earlier_result_are_not_overwritten():
-    B, L, m, V = 2, 6, 3, 4
-    g = torch.Generator().manual_seed(87)
-    f = torch.randn(B, L, m, dtype=torch.float64, generator=g)
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    head = _CachedRows(V, 40)
+    f, _, tokens = _tiny_inputs(87)
+    head = _CachedRows(4, 40)
     before = head.table.detach().clone()
     belief_state_loss(f, f, tokens, head, backend="torch").backward()
     assert torch.equal(head.table.detach(), before)
@@ -549,7 +547,7 @@ def test_the_heads_logits_are_overwritten_without_a_copy(monkeypatch, kind):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk", [None, 333])
-def test_torch_backend_on_a_gpu(monkeypatch, chunk, pair_sums):
+def test_torch_backend_on_a_gpu(monkeypatch, chunk, engine):
     """On a GPU, at widths above one kernel block and chunks across rows: float32 at
     docs/contract.md §6's tolerances, both heads, both engines; with the Triton engine (the default
     there) two runs are bitwise equal."""
@@ -560,7 +558,7 @@ def test_torch_backend_on_a_gpu(monkeypatch, chunk, pair_sums):
     for head in (mlp, make_swiglu(m=72, V=517, hidden=300, seed=150, scale=0.2)):
         check_against_reference(f.to(dev), b.to(dev), tokens.to(dev), head.to(dev), backend="torch", seed=150,
                                 lengths=lengths.to(dev))
-        if pair_sums[0] == "triton":
+        if engine[0] == "triton":
             runs = [loss_and_grads(f.to(dev), b.to(dev), tokens.to(dev), copy.deepcopy(head).to(dev), 1.3,
                                    backend="torch", pairs=0.5, generator=torch.Generator().manual_seed(1))
                     for _ in range(2)]

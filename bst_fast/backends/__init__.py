@@ -10,6 +10,7 @@ a backend cannot take an input (None if it can).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -99,6 +100,11 @@ REGISTRY = {
         Backend("triton", _triton, _gpu("triton"), fused=True),
     )
 }
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device, not the tensors': make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def pick(backend: str, head, f) -> Backend:

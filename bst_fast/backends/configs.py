@@ -7,10 +7,8 @@ objective's. Tests shrink it (or set CHUNK_PAIRS) to put chunk boundaries everyw
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
-import torch
 import triton
 
 # BST_FAST_CHUNK_MB overrides the default budget of one chunk's working set.
@@ -46,8 +44,3 @@ def gather_config(device_type: str, width: int) -> dict:
         return dict(BM=16, BK=min(128, triton.next_power_of_2(width)), BS=16, hidden_warps=4)
     # the interpreter: small blocks that still exercise every loop
     return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), BS=4, hidden_warps=4)
-
-
-def on_device(device: torch.device):
-    """Triton launches on the current CUDA device (not the tensors'): make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

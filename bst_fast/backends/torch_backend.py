@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from .._pairs import PairList, Pairs, pair_list
 from ..head import PairParts, concat_parts
+from . import on_device
 
 # Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
 # V=1000 in bf16, 16k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
@@ -56,9 +57,9 @@ CHUNK_BYTES = int(float(os.environ.get("BST_FAST_TORCH_CHUNK_MB", "256")) * 2**2
 CPU_CHUNK_BYTES = 16 * 2**20
 # A fixed number of pairs per chunk instead of the byte budget (tests set it).
 CHUNK_PAIRS: Optional[int] = None
-# The pair-sum engine: None picks Triton for CUDA tensors; True forces it (the CPU through
+# The engine (_TritonOps or _TorchOps): None picks Triton for CUDA tensors; True forces it (the CPU through
 # TRITON_INTERPRET=1, tests), False the torch ops. float64 always takes the torch ops.
-TRITON_SUMS: Optional[bool] = None
+TRITON_OPS: Optional[bool] = None
 
 
 def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
@@ -149,8 +150,8 @@ class _TritonOps:
     """A chunk's work around the head through the triton backend's kernels. The pair sums without
     an activation (float32 sums, rounded once to the part's dtype); their gradient reduced by the
     prefix and suffix segment kernels straight from x's gradient into the float32 dP and dQ, in a
-    fixed order. The cross-entropy: pair_cross_entropy_kernel (one read and one write of the
-    logits, float32 loss per pair)."""
+    fixed order. The cross-entropy: pair_cross_entropy_ (one read and one write of the logits,
+    float32 loss per pair). The launches are the triton backend's (kernels/)."""
 
     writes_logits_without_grad = False  # without gradients the cross-entropy only reads the logits
 
@@ -168,7 +169,7 @@ class _TritonOps:
                 P, Q = P.contiguous(), Q.contiguous()
             self.P.append(P)
             self.Q.append(Q)
-        self.dtypes, self.pl, self.grads, self.BL, self.dev = dtypes, pl, grads, BL, tokens.device
+        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
         self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.no_act = NO_ACT.value
@@ -176,60 +177,34 @@ class _TritonOps:
         self.loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), dtype=torch.float32, device=tokens.device)
 
     def gather(self, k, chunk):
-        import triton
-        from ..kernels.pair_hidden import pair_hidden_kernel
-        from .configs import on_device
+        from ..kernels.pair_hidden import pair_hidden
 
         s0, n = chunk[:2]
-        P, Q, cfg = self.P[k], self.Q[k], self.cfg[k]
-        w = P.shape[1]
-        x = torch.empty(n, w, dtype=self.dtypes[k], device=P.device)
-        with on_device(self.dev):
-            pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(w, cfg["BK"]))](
-                P, Q, self.pl.ia, self.pl.ib, x, s0, n, w, P.stride(0), ACT=self.no_act, BM=cfg["BM"], BK=cfg["BK"],
-                UP=self.up[k], num_warps=cfg["hidden_warps"])
+        x = torch.empty(n, self.P[k].shape[1], dtype=self.dtypes[k], device=self.P[k].device)
+        pair_hidden(self.P[k], self.Q[k], self.pl, s0, n, x, self.no_act, self.cfg[k], self.up[k])
         return x
 
     def add_grad(self, k, chunk, grad, scale):
-        import triton
-        from ..kernels.pair_hidden import prefix_grad_kernel, suffix_grad_kernel
-        from .configs import on_device
+        from ..kernels.pair_hidden import segment_grads
 
-        s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
-        P, Q, cfg, pl = self.P[k], self.Q[k], self.cfg[k], self.pl
-        w = P.shape[1]
-        g = grad.contiguous()
-        dP, dQ = self.grads[k][: self.BL], self.grads[k][self.BL :]
-        # without an activation the kernels read only g and the index lists, never P or Q (whose
-        # rows may be strided): g, dP and dQ are contiguous, w wide
-        with on_device(self.dev):
-            if pre_hi > pre_lo:
-                prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(w, cfg["BK"]))](
-                    g, P, Q, pl.ib, pl.pre_off, pre_lo, dP, s0, n, w, scale, ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
-            if suf_hi > suf_lo:
-                suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(w, cfg["BK"]))](
-                    g, P, Q, pl.ia, pl.perm, pl.suf_off, suf_lo, dQ, s0, n, w, pl.search_steps, scale,
-                    ACT=self.no_act, BS=cfg["BS"], BK=cfg["BK"])
+        # without an activation the kernels read only the gradient and the index lists, never P or
+        # Q (whose rows may be strided): the gradient, dP and dQ are contiguous
+        segment_grads(grad.contiguous(), self.P[k], self.Q[k], self.pl, chunk, self.grads[k][: self.BL],
+                      self.grads[k][self.BL :], self.no_act, scale, self.cfg[k])
 
     def cross_entropy_(self, z, chunk, need, gscale):
         from ..kernels.activation import interpreted_bf16
-        from ..kernels.cross_entropy import pair_cross_entropy_kernel
-        from .configs import ce_config, on_device
+        from ..kernels.cross_entropy import pair_cross_entropy_
+        from .configs import ce_config
 
-        s0, n = chunk[:2]
-        V = z.shape[1] // 2
-        cfg = ce_config(z.device.type, V)
-        with on_device(self.dev):
-            pair_cross_entropy_kernel[(n,)](
-                z, self.tok, self.pl.ia, self.pl.ib, self.pl.w, self.pl.w_stride, self.loss_rows, s0, V, self.lam,
-                gscale, NEED_GRAD=need, BV=cfg["BV"], UP=interpreted_bf16(z.dtype), num_warps=cfg["ce_warps"])
-        return self.loss_rows[:n].sum()
+        return pair_cross_entropy_(z, self.tok, self.pl, chunk[0], self.lam, gscale, need, self.loss_rows,
+                                   ce_config(z.device.type, z.shape[1] // 2), interpreted_bf16(z.dtype))
 
 
 def _use_triton(device: torch.device, acc) -> bool:
-    if acc != torch.float32 or TRITON_SUMS is False:
+    if acc != torch.float32 or TRITON_OPS is False:
         return False
-    if TRITON_SUMS:
+    if TRITON_OPS:
         return True
     if device.type != "cuda":
         return False
@@ -363,5 +338,6 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int)
     split = getattr(head, "pair_parts", None) or _concat_parts(head)
     parts = split(f, b, p.lengths)
     n = len(parts.prefix)
-    return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes), n,
-                              torch.is_grad_enabled(), *parts.prefix, *parts.suffix, *head.parameters())
+    with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
+        return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes), n,
+                                  torch.is_grad_enabled(), *parts.prefix, *parts.suffix, *head.parameters())

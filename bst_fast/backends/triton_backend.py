@@ -28,16 +28,15 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-import triton
 
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
-from . import pair_loss_op
+from . import on_device, pair_loss_op
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
-from ..kernels.cross_entropy import pair_cross_entropy_kernel
-from ..kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
-from .configs import chunk_config, on_device
+from ..kernels.cross_entropy import pair_cross_entropy_
+from ..kernels.pair_hidden import pair_hidden, segment_grads
+from .configs import chunk_config
 
 
 def _mm_f32(a, b):
@@ -60,7 +59,6 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     also cut `pl`. Returns (loss, dA, dB, dW list, dc list)."""
     dev = A.device
     h1 = A.shape[-1]
-    V = weights[-1].shape[0] // 2
     up = interpreted_bf16(dtype)
     act_id = ACT[act_name]
     tok = tokens.contiguous().reshape(-1)  # the kernels read labels at flat offsets ia + 1, ib - 1
@@ -72,20 +70,16 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
     loss = torch.zeros((), **f32)
     loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), **f32)
-    BK = cfg["BK"]
-    for s0, n, pre_lo, pre_hi, suf_lo, suf_hi in pl.chunks:
+    for chunk in pl.chunks:
+        s0, n = chunk[:2]
         H = torch.empty(n, h1, dtype=dtype, device=dev)
-        pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h1, BK))](
-            A, Bm, pl.ia, pl.ib, H, s0, n, h1, h1, ACT=act_id, BM=cfg["BM"], BK=BK, UP=up, num_warps=cfg["hidden_warps"])
+        pair_hidden(A, Bm, pl, s0, n, H, act_id, cfg, up)
         Hs, Zs = [H], []
         for w, c in zip(weights[:-1], biases[:-1]):
             Zs.append(torch.addmm(c, Hs[-1], w.t()))
             Hs.append(activation(act_name, Zs[-1]))
         Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-        pair_cross_entropy_kernel[(n,)](
-            Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, float(lam), 1.0,
-            NEED_GRAD=need, BV=cfg["BV"], UP=up, num_warps=cfg["ce_warps"])
-        loss += loss_rows[:n].sum()
+        loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up)
         if not need:
             continue
         dH = Z
@@ -96,13 +90,7 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
             dW[k] += _mm_f32(dH.t(), Hs[k])
             dH = dH @ weights[k]
         del Z, Zs, Hs
-        if pre_hi > pre_lo:
-            prefix_grad_kernel[(pre_hi - pre_lo, triton.cdiv(h1, BK))](
-                dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h1, 1.0, ACT=act_id, BS=cfg["BS"], BK=BK)
-        if suf_hi > suf_lo:
-            suffix_grad_kernel[(suf_hi - suf_lo, triton.cdiv(h1, BK))](
-                dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h1, pl.search_steps, 1.0,
-                ACT=act_id, BS=cfg["BS"], BK=BK)
+        segment_grads(dH, A, Bm, pl, chunk, dA, dB, act_id, 1.0, cfg)
     # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply back
     s = pl.wscale
     if need:

@@ -57,3 +57,14 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
                 d = (cw * gscale) * (tl.exp(z - lse) - tl.where(col == y, 1.0, 0.0))
                 tl.store(zr + col, cast(d, Z.dtype.element_ty, UP), mask=cm)
     tl.store(loss + r, total)
+
+
+def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up):
+    """The weighted loss of the chunk's logits Z (n, 2V), contiguous, at slots [s0, s0 + n) of the
+    PairList `pl` (a 0-dim float32 sum); with need, Z becomes gscale * its gradient in place.
+    tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes."""
+    n = Z.shape[0]
+    pair_cross_entropy_kernel[(n,)](
+        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, Z.shape[1] // 2, float(lam), float(gscale),
+        NEED_GRAD=need, BV=cfg["BV"], UP=up, num_warps=cfg["ce_warps"])
+    return loss_rows[:n].sum()

@@ -47,15 +47,28 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld,
 
 
 @triton.jit
-def _dz1_sum(dH, M, m_rows, z_fixed, slots, s0, h, k, m2, ACT: tl.constexpr):
-    # sum over a block of slots of dH[slot - s0] * act'(z1), z1 = z_fixed (the segment's own A or B
-    # row) + M[m_rows] (the other side's rows, gathered): the segment kernels' shared inner step.
-    # Under NO_ACT, the plain sum of dH (z_fixed and M are not read).
-    d = tl.load(dH + (slots - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
-    if ACT != NO_ACT:
-        z = z_fixed[None, :] + tl.load(M + m_rows[:, None] + k[None, :], mask=m2, other=0.0)
-        d = d * act_grad(z, ACT)
-    return tl.sum(tl.where(m2, d, 0.0), axis=0)
+def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, s0, h, k, km,
+                 ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, PERMUTED: tl.constexpr):
+    # The segment kernels' shared loop: the sum over list positions q in [lo, hi) of
+    # dH[slot - s0] * act'(z1), slot = perm[q] if PERMUTED else q, z1 = z_fixed (the segment's own
+    # A or B row) + M[other[slot]] (the other side's row, gathered). Under NO_ACT, the plain sum of
+    # dH (z_fixed and M are not read).
+    acc = tl.zeros((BK,), dtype=tl.float32)
+    for s in range(lo, hi, BS):
+        q = s + tl.arange(0, BS)
+        qm = q < hi
+        m2 = qm[:, None] & km[None, :]
+        if PERMUTED:
+            slot = tl.load(perm + q, mask=qm, other=0)
+        else:
+            slot = q
+        d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        if ACT != NO_ACT:
+            rows = tl.load(other + slot, mask=qm, other=0).to(tl.int64) * h
+            z = z_fixed[None, :] + tl.load(M + rows[:, None] + k[None, :], mask=m2, other=0.0)
+            d = d * act_grad(z, ACT)
+        acc += tl.sum(tl.where(m2, d, 0.0), axis=0)
+    return acc
 
 
 @triton.jit
@@ -70,13 +83,7 @@ def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, scale,
     lo = tl.maximum(tl.load(seg_off + g), s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
     za = tl.load(A + a * h + k, mask=km & (ACT != NO_ACT), other=0.0)
-    acc = tl.zeros((BK,), dtype=tl.float32)
-    for s in range(lo, hi, BS):
-        q = s + tl.arange(0, BS)
-        qm = q < hi
-        m2 = qm[:, None] & km[None, :]
-        b = tl.load(ib + q, mask=qm, other=0).to(tl.int64) * h
-        acc += _dz1_sum(dH, Bm, b, za, q, s0, h, k, m2, ACT)
+    acc = _segment_sum(dH, Bm, ib, ib, lo, hi, za, s0, h, k, km, ACT, BS, BK, False)
     tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + scale * acc, mask=km)
 
 
@@ -108,12 +115,30 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps
     lo = _first_at_least(perm, first, last, s0, steps)
     hi = _first_at_least(perm, lo, last, s0 + n, steps)
     zb = tl.load(Bm + c * h + k, mask=km & (ACT != NO_ACT), other=0.0)
-    acc = tl.zeros((BK,), dtype=tl.float32)
-    for s in range(lo, hi, BS):
-        q = s + tl.arange(0, BS)
-        qm = q < hi
-        m2 = qm[:, None] & km[None, :]
-        slot = tl.load(perm + q, mask=qm, other=0)
-        a = tl.load(ia + slot, mask=qm, other=0).to(tl.int64) * h
-        acc += _dz1_sum(dH, A, a, zb, slot, s0, h, k, m2, ACT)
+    acc = _segment_sum(dH, A, ia, perm, lo, hi, zb, s0, h, k, km, ACT, BS, BK, True)
     tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + scale * acc, mask=km)
+
+
+def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
+    """H (n, h) <- act(A[ia] + B[ib]) for the chunk's slots [s0, s0 + n) of the PairList `pl`;
+    A and B share a row stride (A.stride(-2), rows contiguous); act an index of ACT, or NO_ACT.value; cfg holds
+    gather_config's shapes; up: interpreted_bf16(H.dtype)."""
+    h = H.shape[1]
+    pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h, cfg["BK"]))](
+        A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
+        num_warps=cfg["hidden_warps"])
+
+
+def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
+    """dA, dB (contiguous, dH's width) += scale * the chunk's prefix / suffix segment sums of
+    dH * act'(A_ia + B_ib) (of dH alone under NO_ACT, which reads neither A nor B)."""
+    s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
+    h = dH.shape[1]
+    grid_k = triton.cdiv(h, cfg["BK"])
+    if pre_hi > pre_lo:
+        prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
+            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, scale, ACT=act, BS=cfg["BS"], BK=cfg["BK"])
+    if suf_hi > suf_lo:
+        suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
+            dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, pl.search_steps, scale,
+            ACT=act, BS=cfg["BS"], BK=cfg["BK"])
