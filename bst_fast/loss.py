@@ -66,7 +66,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
             "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
         deterministic: kept for compatibility, it changes nothing: triton is always bitwise
-            reproducible (no atomics), cpp for a fixed thread count, torch on a GPU is not.
+            reproducible (no atomics), cpp for a fixed thread count; torch adds no atomics of its
+            own on a GPU (in float64 it uses index_add_, atomic there).
 
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
