@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run, under 10 minutes (QUICK=1: about 4): build, check the triton backend against
+# One GPU run, under 12 minutes (QUICK=1: about 6): build, check the triton backend against
 # float64, time it against the naive materialised objective at the GPU issue's shapes, time a
 # training step, then the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR),
 # named after the GPU. Steps are ordered by what matters most, each under its own timeout.
@@ -38,10 +38,15 @@ step 60 heads-512mb env BST_FAST_TORCH_CHUNK_MB=512 python3 bench/pairs.py --dev
 # where the SwiGLU head's time goes, in a training step at the shape (the torch backend)
 step 90 profile-swiglu python3 bench/profile.py --device cuda --head swiglu --batch 32 --T 256 --d-model 512 \
     --enc-layers 4 --steps 2 --out "$out"
+# the SwiGLU head's per-pair tail under torch.compile against the plain torch backend, side by side
+# (compile is used only where measured faster); its first run compiles, untimed
+step 240 heads-compile python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 \
+    --vocab 1000 --head swiglu --backends torch torch+compile --no-compile --subsample-T 0 --reps 5 \
+    --out "$out/$name-heads-compile.json"
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
 wait $build || { echo "!! build failed"; status=1; }
-step 150 check python3 bench/gpu_check.py
+step 240 check python3 bench/gpu_check.py
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"

@@ -1,6 +1,7 @@
 """GPU correctness of the triton backend (TextHead) and of the torch backend with its Triton pair sums
-(ResidualSwiGLUHead, TextHead) against the float64 reference (docs/contract.md §6), and their bitwise
-reproducibility; prints one line per case and exits nonzero on any failure.
+(ResidualSwiGLUHead, TextHead; also with the per-pair tail under torch.compile: "torch+compile")
+against the float64 reference (docs/contract.md §6), and their bitwise reproducibility; prints one
+line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py                 # needs a CUDA GPU
     python bench/gpu_check.py cuda torch      # one device, only the named backends
@@ -33,7 +34,7 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
 
 def main():
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    only = set(sys.argv[2:]) or {"triton", "torch"}
+    only = set(sys.argv[2:]) or {"triton", "torch", "torch+compile"}
     failures = 0
     cases = [
         dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
@@ -46,6 +47,8 @@ def main():
     # the torch backend (its Triton pair sums on a GPU) with the official head, and with a TextHead
     cases += [dict(c, backend="torch", swiglu=True, bias=k == 1) for k, c in enumerate(cases)]
     cases += [dict(cases[1], backend="torch")]
+    # the torch backend with the heads' per-pair tail under torch.compile (torch_backend.COMPILE)
+    cases += [dict(cases[1], backend="torch+compile", swiglu=True, bias=False), dict(cases[0], backend="torch+compile")]
     for chunk in (None, 97):
         configs.CHUNK_PAIRS = torch_backend.CHUNK_PAIRS = chunk
         for k, c in enumerate(cases):
@@ -53,6 +56,7 @@ def main():
             backend = c.get("backend", "triton")
             if backend not in only:
                 continue
+            torch_backend.COMPILE = backend == "torch+compile"
             if c.get("swiglu"):
                 head = ResidualSwiGLUHead(c["m"], c["V"], hidden=c["hidden"] if isinstance(c["hidden"], int) else 64,
                                           bias=c["bias"])
@@ -80,8 +84,9 @@ def main():
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
             ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
             for dtype in (torch.float32, torch.bfloat16):
-                l1, g1 = run(f, b, tokens, head, dtype, scale, backend, **regen())
-                l2, g2 = run(f, b, tokens, head, dtype, scale, backend, **regen())
+                name = "torch" if backend == "torch+compile" else backend
+                l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
+                l2, g2 = run(f, b, tokens, head, dtype, scale, name, **regen())
                 same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
                 el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
                 if dtype == torch.float32:
@@ -95,7 +100,7 @@ def main():
                     bound = f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
                 ok = ok and same
                 failures += not ok
-                print(f"{backend:6} {type(head).__name__:18} chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
+                print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
                       f"(bound {bound}) bitwise-reproducible={same} {'ok' if ok else 'FAIL'}", flush=True)
     print("all ok" if not failures else f"{failures} FAILED")
     return 1 if failures else 0

@@ -34,7 +34,7 @@ import torch
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
-from bst_fast.backends import REGISTRY  # noqa: E402
+from bst_fast.backends import REGISTRY, torch_backend  # noqa: E402
 from bst_fast import reference  # noqa: E402
 from bst_fast._pairs import Pairs, pair_counts, pair_mask  # noqa: E402
 
@@ -139,6 +139,10 @@ def make_head(kind, args, layers, V):
     return TextHead(m, V, hidden=h, n_layers=layers, activation="gelu"), h, 4 * m + 4 * h * (layers - 1)
 
 
+# The torch backend with its per-pair tail under torch.compile (torch_backend.COMPILE).
+COMPILED = "torch+compile"
+
+
 def backends_for(args, kind, head, f):
     """(name, why not) of the backends to time: --backends, or 'all' (the default for heads other
     than mlp) for every registered backend that takes this head and input (the reference is the
@@ -146,9 +150,15 @@ def backends_for(args, kind, head, f):
     names = args.backends
     if names is None:
         names = ["all"] if kind != "mlp" else (["triton"] if args.device == "cuda" else ["cpp"])
-    if names == ["all"]:
-        names = [n for n, be in REGISTRY.items() if n != "reference" and be.unsupported(head, f) is None]
-    return [(n, REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}") for n in names]
+    if "all" in names:
+        every = [n for n, be in REGISTRY.items() if n != "reference" and be.unsupported(head, f) is None]
+        names = [x for n in names for x in (every if n == "all" else [n])]
+
+    def why(n):
+        if n == COMPILED:
+            return REGISTRY["torch"].unsupported(head, f)
+        return REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}"
+    return [(n, why(n)) for n in dict.fromkeys(names)]
 
 
 def run_case(args, T, layers, V, compiled, kind="mlp"):
@@ -185,14 +195,17 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
 
     def fused(backend, forward_only=False, **kw):
+        compile_tail, name = backend == COMPILED, "torch" if backend == COMPILED else backend
+
         def step():
             f.grad = b.grad = None
             head.zero_grad(set_to_none=True)
+            torch_backend.COMPILE = compile_tail  # each row says whether it compiles (not the environment)
             if forward_only:
                 with torch.no_grad():
-                    belief_state_loss(f, b, tokens, head, backend=backend, **kw)
+                    belief_state_loss(f, b, tokens, head, backend=name, **kw)
             else:
-                belief_state_loss(f, b, tokens, head, backend=backend, **kw).backward()
+                belief_state_loss(f, b, tokens, head, backend=name, **kw).backward()
         return step
 
     reps = args.reps if n_pairs * h * V < 5e10 else 1
@@ -201,6 +214,10 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         if why is not None:
             note(backend, f"not applicable: {why}")
             continue
+        if backend == COMPILED:  # compile (both graphs) outside the timings and the peak memory
+            fused(backend)()
+            if args.forward:
+                fused(backend, forward_only=True)()
         if args.forward:
             record(f"{backend} fwd", fused(backend, forward_only=True), reps)
         record(backend, fused(backend), reps)
@@ -284,7 +301,8 @@ def main(argv=None):
     ap.add_argument("--swiglu-hidden", type=int, default=None,
                     help="the swiglu head's SwiGLU width (default 8*2m/3 rounded to a multiple of 128)")
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="bst_fast backends to time, or 'all': every one that takes the head (default: "
+                    help=f"bst_fast backends to time, {COMPILED!r} (the torch backend with its per-pair head "
+                         "under torch.compile; the first run compiles, untimed), or 'all': every one that takes the head (default: "
                          "cpp on the CPU and triton on CUDA for mlp, all for swiglu)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone (no_grad)")
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")

@@ -188,6 +188,26 @@ def test_chunk_size_from_the_byte_budget(monkeypatch):
     assert sum(sizes) == 66 + 3 + 45
 
 
+def test_environment_settings_are_checked(monkeypatch):
+    from bst_fast.backends import env_flag, env_mb
+
+    monkeypatch.setenv("BST_FAST_X_MB", "0.5")
+    assert env_mb("BST_FAST_X_MB", 256) == 2**19
+    monkeypatch.delenv("BST_FAST_X_MB")
+    assert env_mb("BST_FAST_X_MB", 256) == 256 * 2**20
+    for bad in ("", "abc", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv("BST_FAST_X_MB", bad)
+        with pytest.raises(ValueError, match="BST_FAST_X_MB must be a positive number of MB"):
+            env_mb("BST_FAST_X_MB", 256)
+    assert env_flag("BST_FAST_X_ON") is False
+    monkeypatch.setenv("BST_FAST_X_ON", "1")
+    assert env_flag("BST_FAST_X_ON") is True
+    for bad in ("yes", "true", "2", ""):
+        monkeypatch.setenv("BST_FAST_X_ON", bad)
+        with pytest.raises(ValueError, match="BST_FAST_X_ON must be 0 or 1"):
+            env_flag("BST_FAST_X_ON")
+
+
 def test_flat_pairs_are_the_pair_set_in_order():
     B, L = 3, 15
     tokens = torch.zeros(B, L, dtype=torch.long)
@@ -245,6 +265,21 @@ def test_logits_saved_by_the_head_are_not_overwritten(training):
     f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=60)
     head = TanhHead(7, 13).train(training)
     check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=60)
+
+
+def test_compiled_tail_against_reference(monkeypatch):
+    """torch_backend.COMPILE: the heads' per-pair tail under torch.compile (inductor on the CPU),
+    chunks of 7 pairs (a static graph, then a dynamic one for the shorter last chunk), in float32
+    at docs/contract.md §6's tolerances; a head whose backward reads its logits (tanh) keeps them."""
+    pytest.importorskip("torch._inductor")
+    monkeypatch.setattr(torch_backend, "COMPILE", True)
+    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", 7)
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = stats["unique_graphs"]
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=65)
+    for head in (make_swiglu(seed=65, bias=True), TanhHead(7, 13).eval()):
+        check_against_reference(f, b, tokens, head, backend="torch", seed=65, lengths=torch.tensor([13, 4, 11]))
+    assert stats["unique_graphs"] >= graphs + 2, "the tails were not compiled"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

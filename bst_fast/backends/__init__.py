@@ -20,6 +20,26 @@ import torch
 from ..head import TextHead
 
 
+def env_mb(name: str, default: float) -> int:
+    """Bytes from the environment variable `name`, in MB (a positive number), else `default` MB."""
+    text = os.environ.get(name)
+    try:
+        mb = default if text is None else float(text)
+    except ValueError:
+        mb = None
+    if mb is None or not mb > 0 or mb == float("inf"):
+        raise ValueError(f"{name} must be a positive number of MB, got {text!r}")
+    return max(1, int(mb * 2**20))
+
+
+def env_flag(name: str) -> bool:
+    """The environment variable `name` as a switch: unset or "0" is off, "1" is on."""
+    text = os.environ.get(name, "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str

@@ -7,14 +7,14 @@ objective's. Tests shrink it (or set CHUNK_PAIRS) to put chunk boundaries everyw
 """
 from __future__ import annotations
 
-import os
-
 import triton
+
+from . import env_mb
 
 # BST_FAST_CHUNK_MB overrides the default budget of one chunk's working set.
 # Measured on an H200 at B=32, T=256, h=512, V=1000, bf16 (bench/results/h200-run2): 128 MB ran in
 # 32.3 ms at 1.3% of the naive objective's memory, 384 MB in 25.8 ms at 2.0%.
-CHUNK_BYTES = int(os.environ.get("BST_FAST_CHUNK_MB", "256")) << 20
+CHUNK_BYTES = env_mb("BST_FAST_CHUNK_MB", 256)
 CHUNK_PAIRS = None  # an int overrides the byte budget (tests)
 
 

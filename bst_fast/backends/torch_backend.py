@@ -40,7 +40,7 @@ that fp16 gradients do not underflow) and multiplied back at the end.
 """
 from __future__ import annotations
 
-import os
+import functools
 from typing import Optional
 
 import torch
@@ -48,18 +48,34 @@ import torch.nn.functional as F
 
 from .._pairs import PairList, Pairs, pair_list
 from ..head import PairParts, concat_parts
-from . import on_device
+from . import env_flag, env_mb, on_device
 
 # Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
 # V=1000 in bf16, 16k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
 # a smaller chunk stays in cache.
-CHUNK_BYTES = int(float(os.environ.get("BST_FAST_TORCH_CHUNK_MB", "256")) * 2**20)
+CHUNK_BYTES = env_mb("BST_FAST_TORCH_CHUNK_MB", 256)
 CPU_CHUNK_BYTES = 16 * 2**20
 # A fixed number of pairs per chunk instead of the byte budget (tests set it).
 CHUNK_PAIRS: Optional[int] = None
 # The engine (_TritonOps or _TorchOps): None picks Triton for CUDA tensors; True forces it (the CPU through
 # TRITON_INTERPRET=1, tests), False the torch ops. float64 always takes the torch ops.
 TRITON_OPS: Optional[bool] = None
+# torch.compile the head's per-pair tail, forward and backward (BST_FAST_TORCH_COMPILE=1). Two graphs:
+# one at the full chunk's pair count and, from the first other count (the last chunk), one with a
+# dynamic count; a new head, dtype or autocast state compiles anew. Off by default: the issue asks for
+# it only where measured faster, and it has been measured nowhere faster yet (docs/backends.md).
+COMPILE = env_flag("BST_FAST_TORCH_COMPILE")
+
+
+def _call_tail(tail, xs):
+    return tail(xs)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_tail():
+    # one compiled trampoline: Dynamo inlines each head's tail and guards on it, so a new tail closure
+    # per call (pair_parts makes one) hits the cache
+    return torch.compile(_call_tail)
 
 
 def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
@@ -274,7 +290,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 first = token.view(()).grad_fn._sequence_nr() if backprop else None
                 xs = [ops.gather(k, chunk) if g is None else _PairSum.apply(token, ops, k, chunk, 1.0 / gs)
                       for k, g in enumerate(grads)]
-                logits = tail(xs)
+                logits = (_compiled_tail() if COMPILE else _call_tail)(tail, xs)
                 del xs
             if logits.shape != (n, 2 * vocab_size):
                 raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({n}, {2 * vocab_size}), "
