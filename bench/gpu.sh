@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
 #   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests; fewer repeats
+#   STEPS="heads heads-compile check" bash bench/gpu.sh   # only the named steps (the names below)
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
@@ -20,6 +21,7 @@ mkdir -p "$out"
 status=0
 step() {  # step <seconds> <log name> <command...>
     local t=$1 log=$2; shift 2
+    [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $log "* ]] && return 0
     echo "== $name: $log"
     timeout "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
 }
