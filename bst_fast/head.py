@@ -5,19 +5,20 @@ official implementation (microsoft/BST, model_bst.py TextHead).
 
 A head may also say how its work splits into per-token and per-pair parts, for the "torch" backend:
 
-    pair_parts(f, b, lengths) -> PairParts(prefix, suffix, dtypes, tail)
+    pair_parts(f, b, lengths) -> PairParts(prefix, suffix, dtypes, tail, swiglu=())
 
 prefix[k] and suffix[k] are (B, L, w_k) tensors computed once per position (autograd maps their
 gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend forms
 x_k = prefix[k][r, i] + suffix[k][r, j], summed in float32 (float64 for float64 parts) and rounded
 once to dtypes[k], and tail([x_0, x_1, ...]) (each x_k (n, w_k) for n pairs) returns the (n, 2V)
-logits, equal to head(cat([f_i, b_j])). A part may be [f ; 0] and [0 ; b]: its sum is the
+logits, equal to head(cat([f_i, b_j])). For k in `swiglu` the part is a [gate | up] table and x_k
+is swiglu(gate sum, up sum) (n, w_k / 2), computed from the float32 (float64) sums and rounded once. A part may be [f ; 0] and [0 ; b]: its sum is the
 concatenation. Positions at or beyond lengths are in no pair; a part that multiplies f or b by a
 weight zeroes them first (0 * NaN = NaN in dW).
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ class PairParts(NamedTuple):
     suffix: List[torch.Tensor]
     dtypes: List[torch.dtype]  # x_k is rounded once to dtypes[k]
     tail: Callable
+    swiglu: Tuple[int, ...] = ()  # parts whose x_k is swiglu(gate, up) of their two halves' sums
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +178,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """(dgate, dup) of swiglu at (gate, up) for the output gradient `grad`; the Triton kernels'
+    kernels/activation.swiglu_grad is the same formula."""
+    s = torch.sigmoid(gate)
+    return grad * up * (s * (1 + gate * (1 - s))), grad * gate * s
+
+
 class _Norm(nn.Module):
     """The official LayerNorm class (model_base.LayerNorm): a LayerNorm with weight and bias, or
     without a bias an RMSNorm with a weight."""
@@ -245,31 +254,27 @@ class ResidualSwiGLUHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., 2m) -> (..., 2V)."""
-        gate, up = self.mlp[0].gate_up(x).chunk(2, dim=-1)
-        return self._after_gate_up(x, gate, up)
+        return self._after_swiglu(x, self.mlp[0](x))
 
-    def _after_gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x + self.mlp[2](self.mlp[1](swiglu(gate, up))))
+    def _after_swiglu(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x + self.mlp[2](self.mlp[1](h)))
         halves = x.unflatten(-1, (2, self.d_model))  # (..., 2, m): Next half, Prev half
         return self.lm_head(halves).flatten(-2)
 
     def pair_parts(self, f, b, lengths):
         """Per token [f ; 0] and [0 ; b] (the residual [f_i ; b_j] is their sum), in the head's
-        dtype, and the gate and up parts (f Wf^T + c and b Wb^T) in float32; per pair SwiGLU, Down,
-        the norm and lm_head (see the module docstring). Gate and up are separate parts, so that
-        their gradients reach the backend apart, without the concatenation that chunk()'s backward
-        would make."""
+        dtype, and the gate_up part (f Wf^T + c and b Wb^T, [gate | up]) in float32, a swiglu part:
+        per pair the backend forms silu(gate) * up from the float32 sums and rounds it once; then
+        Down, the norm and lm_head (see the module docstring)."""
         f, b = zero_padding(f, lengths), zero_padding(b, lengths)
-        # The gate_up parts in float32 (float64 for float64), their pair sum rounded once to the
-        # layers' dtype, as [f ; b] W^T would be: two bf16 parts rounded apart and then added miss
+        # float32 (float64 for float64) tables: two bf16 parts rounded apart and then added miss
         # docs/contract.md §6's bound (2x the materialised error) on some gradients.
         acc = torch.float64 if f.dtype == torch.float64 else torch.float32
         with torch.autocast(f.device.type, enabled=False):
             gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
         xf, xb = concat_parts(f, b)
-        dtype = linear_dtype(self.mlp[0].gate_up, f.device.type)
-        return PairParts([xf, *gf.chunk(2, dim=-1)], [xb, *gb.chunk(2, dim=-1)], [f.dtype, dtype, dtype],
-                         lambda xs: self._after_gate_up(*xs))
+        return PairParts([xf, gf], [xb, gb], [f.dtype, linear_dtype(self.mlp[0].gate_up, f.device.type)],
+                         lambda xs: self._after_swiglu(*xs), swiglu=(1,))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"

@@ -14,7 +14,7 @@ from torch import nn
 from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
 from bst_fast import _pairs, decode
 from bst_fast.backends import torch_backend
-from bst_fast.head import swiglu_hidden
+from bst_fast.head import swiglu, swiglu_hidden
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
                       random_grad_out, reference64, rel_err)
@@ -32,7 +32,7 @@ def engine(request, monkeypatch):
     monkeypatch.setattr(torch_backend, "TRITON_OPS", request.param == "triton")
     calls = []
     real = torch_backend._TritonOps.gather
-    monkeypatch.setattr(torch_backend._TritonOps, "gather", lambda self, k, c: calls.append(k) or real(self, k, c))
+    monkeypatch.setattr(torch_backend._TritonOps, "gather", lambda self, k, c, what: calls.append(k) or real(self, k, c, what))
     yield request.param, calls
     assert bool(calls) == (request.param == "triton"), "the pair-sum engine the test asked for did not run"
 
@@ -98,7 +98,9 @@ def test_pair_parts_give_the_head_on_each_pair(kind):
     parts = head.pair_parts(f, b, lengths)
     row, i, j = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2, 0, 1]), torch.tensor([5, 4, 3, 3])
     assert parts.dtypes == [torch.float64] * len(parts.prefix)
-    got = parts.tail([P[row, i] + Q[row, j] for P, Q in zip(parts.prefix, parts.suffix)])
+    assert parts.swiglu == ((1,) if kind == "swiglu" else ())  # the gate_up projection
+    sums = [P[row, i] + Q[row, j] for P, Q in zip(parts.prefix, parts.suffix)]
+    got = parts.tail([swiglu(*x.chunk(2, dim=-1)) if k in parts.swiglu else x for k, x in enumerate(sums)])
     assert torch.allclose(got, head(torch.cat([f[row, i], b[row, j]], -1)), rtol=1e-12, atol=1e-12)
 
 
@@ -166,6 +168,48 @@ def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
     head = make_swiglu(seed=seed)
     check_against_reference(f, b, tokens, head, backend="torch", seed=seed, lengths=torch.tensor([13, 4, 11]))
     check_against_reference(f, b, tokens, head, backend="torch", seed=seed, pairs=CASES["explicit"]["pairs"])
+
+
+@pytest.mark.parametrize("case", ["default", "explicit", "fraction"])
+def test_unfused_swiglu_against_reference(case, monkeypatch, engine):
+    """FUSED_SWIGLU off: gate and up summed apart (column halves of one table, strided rows for the
+    Triton engine's gathers and segment sums) and combined by torch; both engines in float32,
+    chunks of 7 pairs and of the byte budget. The default (fused) path is every other swiglu test."""
+    monkeypatch.setattr(torch_backend, "FUSED_SWIGLU", False)
+    whats = []
+    real = torch_backend._PairSum.forward
+    monkeypatch.setattr(torch_backend._PairSum, "forward",
+                        staticmethod(lambda ctx, *a: whats.append(a[-1]) or real(ctx, *a)))
+    seed = 160 + list(CASES).index(case)
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=seed)
+    head = make_swiglu(seed=seed, bias=seed % 2 == 1)
+    for chunk in (7, None):
+        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **CASES[case])
+    assert set(whats) == {"sum", "gate", "up"}
+
+
+def test_fused_swiglu_gathers_half_width(monkeypatch):
+    """The fused swiglu part makes one (n, H) tensor per chunk (not gate and up, (n, 2H)), and the
+    chunk budget counts it so: the budget of 5 pairs' logits, residual and SwiGLU output gives 5."""
+    m, V, H = 7, 13, 10
+    widths = []
+    real = torch_backend._PairSum.forward
+
+    def forward(ctx, *a):
+        x = real(ctx, *a)
+        widths.append((a[-1], x.shape[1]))
+        return x
+    monkeypatch.setattr(torch_backend._PairSum, "forward", staticmethod(forward))
+    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * (2 * V + 2 * m + H) * 8)
+    sizes = []
+    real_ce = torch_backend._cross_entropy_
+    monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real_ce(z, *a))
+    f, b, tokens, _ = make_inputs(B=3, L=13, m=m, V=V, seed=41)
+    check_against_reference(f, b, tokens, make_swiglu(m, V, hidden=H, seed=41), backend="torch", dtype=torch.float64,
+                            seed=41)
+    assert set(widths) == {("sum", 2 * m), ("swiglu", H)}
+    assert max(sizes) == 5
 
 
 def test_chunk_size_from_the_byte_budget(monkeypatch):
@@ -462,9 +506,12 @@ def test_float16_autocast_parameter_gradients_do_not_overflow(engine):
     assert rel_err(grads["torch"], grads["reference"]) < 1e-2
 
 
-def test_bf16_swiglu_gate_up_parts_round_once(engine):
-    """The gate/up parts are summed per pair in float32 and rounded once, as [f ; b] W^T is: two
-    bf16 parts rounded apart broke the 2x bound on mlp.2.bias for this draw."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_bf16_swiglu_gate_up_parts_round_once(engine, fused, monkeypatch):
+    """The gate/up parts are summed per pair in float32 and rounded once (fused: SwiGLU of the
+    float32 sums rounded once; unfused: gate and up rounded, as [f ; b] W^T is): two bf16 parts
+    rounded apart broke the 2x bound on mlp.2.bias for this draw."""
+    monkeypatch.setattr(torch_backend, "FUSED_SWIGLU", fused)
     B, L, m, V, seed = 3, 14, 6, 17, 3
     g = torch.Generator().manual_seed(seed)
     f = (torch.randn(B, L, m, generator=g) * 2).bfloat16()

@@ -352,32 +352,33 @@ from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
 from bst_fast.backends.configs import chunk_config, gather_config
-from bst_fast.kernels.activation import NO_ACT
+from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
 
 try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps"}
+INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
-NO = NO_ACT.value
+NO, SW = NO_ACT.value, SWIGLU.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
     # the triton backend's launch configs at three shapes, then the torch backend's pair sums
-    # (no activation) of the SwiGLU head's gate/up parts (float32 tables) and residual (dtype tables)
-    for V, widths in ((1000, [512]), (32000, [768, 768]), (3001, [200]), (0, [5376]), (0, [1024])):
+    # (no activation) of the SwiGLU head's gate/up halves (float32 tables, unfused) and residual
+    # (dtype tables), and its fused SwiGLU part (V=-1: float32 [gate | up], 2688 wide outputs)
+    for V, widths in ((1000, [512]), (32000, [768, 768]), (3001, [200]), (0, [2688]), (0, [1024]), (-1, [2688])):
         cfg = chunk_config("cuda", V or 1000, widths, dtype)
-        if V:
+        if V > 0:
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
                         (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
                         (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"], "*fp32"))
         else:
             g = gather_config("cuda", widths[0])
-            table = "*fp32" if widths[0] > 1024 else dt
-            launches = ((pair_hidden_kernel, dict(ACT=NO, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
-                        (prefix_grad_kernel, dict(ACT=NO, BS=g["BS"], BK=g["BK"]), 4, table),
-                        (suffix_grad_kernel, dict(ACT=NO, BS=g["BS"], BK=g["BK"]), 4, table))
+            table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)
+            launches = ((pair_hidden_kernel, dict(ACT=a, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
+                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["BK"]), 4, table),
+                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["BK"]), 4, table))
         for fn, consts, warps, table in launches:
             sig = {}
             for name in inspect.signature(fn.fn).parameters:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .._pairs import PairList, Pairs, pair_list
-from ..head import PairParts, concat_parts
+from ..head import PairParts, concat_parts, swiglu, swiglu_grad
 from . import env_flag, env_mb, on_device
 
 # Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
@@ -65,6 +65,11 @@ TRITON_OPS: Optional[bool] = None
 # dynamic count; a new head, dtype or autocast state compiles anew. Off by default: on the CPU it was
 # 2-7% faster once compiled, after seconds of compiling; on a GPU it is not yet measured (docs/backends.md).
 COMPILE = env_flag("BST_FAST_TORCH_COMPILE")
+# A swiglu part (pair_parts' `swiglu`) as one fused step: silu(gate) * up formed by the pair-sum engine
+# from the float32 sums, and its gradient taken there from recomputed sums (the default). Off
+# (BST_FAST_TORCH_UNFUSED_SWIGLU=1): gate and up summed apart, rounded, and combined by torch's silu
+# and mul, as before the fused step (kept to measure one against the other).
+FUSED_SWIGLU = not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU")
 
 
 def _call_tail(tail, xs):
@@ -120,11 +125,19 @@ class _SavedStorages:
         return None in self.ptrs or t.untyped_storage().data_ptr() in self.ptrs
 
 
+def _halves(t, what):
+    """The columns of a part's table (or gradient) that `what` reads: the gate or up half, or all."""
+    h = t.shape[-1] // 2
+    return t[..., :h] if what == "gate" else t[..., h:] if what == "up" else t
+
+
 class _TorchOps:
     """A chunk's work around the head through torch ops. The pair sums: x = P[ia] + Q[ib] as one
     embedding_bag over the stacked table [P ; Q] (rows ia and B*L + ib), cast to the part's dtype;
     the gradient cast to the accumulator's dtype and added into d[P ; Q] at both rows by
-    index_add_. The cross-entropy: _cross_entropy_."""
+    index_add_. A swiglu part: the [gate | up] sums in the accumulator's dtype, swiglu of them
+    rounded once; on the way back the sums are gathered again for swiglu_grad. The cross-entropy:
+    _cross_entropy_."""
 
     writes_logits_without_grad = True  # the cross-entropy works in place on the logits
 
@@ -142,17 +155,25 @@ class _TorchOps:
             self._rows = (s0, torch.stack([self.pl.ia[s0 : s0 + n].long(), self.pl.ib[s0 : s0 + n].long() + self.BL], 1))
         return self._rows[1]
 
-    def gather(self, k, chunk):
+    def _sums(self, k, chunk, what):
         with torch.autocast(self.tables[k].device.type, enabled=False):
-            return F.embedding_bag(self.rows(chunk), self.tables[k], mode="sum").to(self.dtypes[k])
+            return F.embedding_bag(self.rows(chunk), _halves(self.tables[k], what), mode="sum")
 
-    def add_grad(self, k, chunk, grad, scale):
+    def gather(self, k, chunk, what):
+        x = self._sums(k, chunk, what)
+        if what == "swiglu":
+            x = swiglu(*x.chunk(2, dim=1))
+        return x.to(self.dtypes[k])
+
+    def add_grad(self, k, chunk, grad, scale, what):
         g = grad.to(self.grads[k].dtype)
+        if what == "swiglu":
+            g = torch.cat(swiglu_grad(g, *self._sums(k, chunk, what).chunk(2, dim=1)), 1)
         if scale != 1.0:
             g = g * scale
-        rows = self.rows(chunk)
-        self.grads[k].index_add_(0, rows[:, 0], g)
-        self.grads[k].index_add_(0, rows[:, 1], g)
+        rows, dst = self.rows(chunk), _halves(self.grads[k], what)
+        dst.index_add_(0, rows[:, 0], g)
+        dst.index_add_(0, rows[:, 1], g)
 
     def cross_entropy_(self, z, chunk, need, gscale):
         s0, n = chunk[:2]
@@ -166,13 +187,15 @@ class _TritonOps:
     """A chunk's work around the head through the triton backend's kernels. The pair sums without
     an activation (float32 sums, rounded once to the part's dtype); their gradient reduced by the
     prefix and suffix segment kernels straight from x's gradient into the float32 dP and dQ, in a
-    fixed order. The cross-entropy: pair_cross_entropy_ (one read and one write of the logits,
-    float32 loss per pair). The launches are the triton backend's (kernels/)."""
+    fixed order. A swiglu part: the same kernels with SWIGLU, silu(gate) * up from the float32
+    sums, and on the way back gate and up recomputed from P and Q. The cross-entropy:
+    pair_cross_entropy_ (one read and one write of the logits, float32 loss per pair). The
+    launches are the triton backend's (kernels/)."""
 
     writes_logits_without_grad = False  # without gradients the cross-entropy only reads the logits
 
     def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
-        from ..kernels.activation import NO_ACT, interpreted_bf16
+        from ..kernels.activation import NO_ACT, SWIGLU, interpreted_bf16
         from .configs import gather_config
 
         BL = prefix[0].shape[0] * prefix[0].shape[1]
@@ -187,26 +210,33 @@ class _TritonOps:
             self.Q.append(Q)
         self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
         self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
+        self.half_cfg = [gather_config(P.device.type, P.shape[1] // 2) for P in self.P]
         self.up = [interpreted_bf16(d) for d in dtypes]
-        self.no_act = NO_ACT.value
+        self.act = dict(swiglu=SWIGLU.value, gate=NO_ACT.value, up=NO_ACT.value, sum=NO_ACT.value)
         self.tok, self.lam = tokens.contiguous().reshape(-1), float(next_weight)
         self.loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), dtype=torch.float32, device=tokens.device)
 
-    def gather(self, k, chunk):
+    def gather(self, k, chunk, what):
         from ..kernels.pair_hidden import pair_hidden
 
         s0, n = chunk[:2]
-        x = torch.empty(n, self.P[k].shape[1], dtype=self.dtypes[k], device=self.P[k].device)
-        pair_hidden(self.P[k], self.Q[k], self.pl, s0, n, x, self.no_act, self.cfg[k], self.up[k])
+        P, Q = self.P[k], self.Q[k]
+        if what != "swiglu":
+            P, Q = _halves(P, what), _halves(Q, what)
+        x = torch.empty(n, P.shape[1] // (2 if what == "swiglu" else 1), dtype=self.dtypes[k], device=P.device)
+        pair_hidden(P, Q, self.pl, s0, n, x, self.act[what], self.cfg[k] if what == "sum" else self.half_cfg[k], self.up[k])
         return x
 
-    def add_grad(self, k, chunk, grad, scale):
+    def add_grad(self, k, chunk, grad, scale, what):
         from ..kernels.pair_hidden import segment_grads
 
         # without an activation the kernels read only the gradient and the index lists, never P or
-        # Q (whose rows may be strided): the gradient, dP and dQ are contiguous
-        segment_grads(grad.contiguous(), self.P[k], self.Q[k], self.pl, chunk, self.grads[k][: self.BL],
-                      self.grads[k][self.BL :], self.no_act, scale, self.cfg[k])
+        # Q; with SWIGLU they recompute gate and up from P and Q (both contiguous then)
+        P, Q, dPQ = self.P[k], self.Q[k], self.grads[k]
+        if what != "swiglu":
+            P, Q, dPQ = _halves(P, what), _halves(Q, what), _halves(dPQ, what)
+        segment_grads(grad.contiguous(), P, Q, self.pl, chunk, dPQ[: self.BL], dPQ[self.BL :], self.act[what], scale,
+                      self.cfg[k] if what == "sum" else self.half_cfg[k])
 
     def cross_entropy_(self, z, chunk, need, gscale):
         from ..kernels.activation import interpreted_bf16
@@ -233,23 +263,24 @@ def _use_triton(device: torch.device, acc) -> bool:
 
 class _PairSum(torch.autograd.Function):
     """x_k of a chunk (ops.gather); the backward adds x's gradient, times `scale`, into the part's
-    accumulator itself (ops.add_grad) and returns none. `token` (a leaf that requires grad) puts
-    this node in the graph."""
+    accumulator itself (ops.add_grad) and returns none. `what`: "sum" (the part's pair sum),
+    "gate" or "up" (one half of a swiglu part's sum), "swiglu" (swiglu of both). `token` (a leaf
+    that requires grad) puts this node in the graph."""
 
     @staticmethod
-    def forward(ctx, token, ops, k, chunk, scale):
-        ctx.ops, ctx.k, ctx.chunk, ctx.scale = ops, k, chunk, scale
-        return ops.gather(k, chunk)
+    def forward(ctx, token, ops, k, chunk, scale, what):
+        ctx.ops, ctx.k, ctx.chunk, ctx.scale, ctx.what = ops, k, chunk, scale, what
+        return ops.gather(k, chunk, what)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ops.add_grad(ctx.k, ctx.chunk, grad, ctx.scale)
-        return None, None, None, None, None
+        ctx.ops.add_grad(ctx.k, ctx.chunk, grad, ctx.scale, ctx.what)
+        return None, None, None, None, None, None
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, p, next_weight, vocab_size, tail, dtypes, n_parts, grad_enabled, *inputs):
+    def forward(ctx, tokens, p, next_weight, vocab_size, tail, dtypes, swiglu_parts, n_parts, grad_enabled, *inputs):
         prefix, suffix, params = inputs[:n_parts], inputs[n_parts : 2 * n_parts], inputs[2 * n_parts :]
         acc = torch.float64 if any(t.dtype == torch.float64 for t in inputs[: 2 * n_parts]) else torch.float32
         dev = tokens.device
@@ -257,7 +288,7 @@ class _ChunkedLoss(torch.autograd.Function):
         BL = Bn * L
         # needs_input_grad ignores grad mode (inside forward it is always off): the caller's
         # grad_enabled decides whether any gradient is computed at all.
-        need = [grad_enabled and n for n in ctx.needs_input_grad[8:]]
+        need = [grad_enabled and n for n in ctx.needs_input_grad[9:]]
         need_parts = [a or b for a, b in zip(need[:n_parts], need[n_parts : 2 * n_parts])]
         need_params = need[2 * n_parts :]
         grads = [torch.zeros(2 * BL, P.shape[-1], dtype=acc, device=dev) if n else None
@@ -272,7 +303,10 @@ class _ChunkedLoss(torch.autograd.Function):
         if torch.is_autocast_enabled(dev.type) and compute != torch.float64:
             compute = torch.get_autocast_dtype(dev.type)
         es = compute.itemsize
-        per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize for P, d in zip(prefix, dtypes))
+        # a swiglu part makes one half-width tensor fused, the gate and up sums (and swiglu's) apart
+        fused = FUSED_SWIGLU
+        per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize // (2 if k in swiglu_parts and fused else 1)
+                                             for k, (P, d) in enumerate(zip(prefix, dtypes)))
         pl = pair_list(p, Bn, L, chunk_pairs(per_pair, dev), dtype=acc)
         ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, pl, grads, tokens, next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
@@ -288,8 +322,13 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
                 first = token.view(()).grad_fn._sequence_nr() if backprop else None
-                xs = [ops.gather(k, chunk) if g is None else _PairSum.apply(token, ops, k, chunk, 1.0 / gs)
-                      for k, g in enumerate(grads)]
+                def pair_sum(k, what):
+                    if grads[k] is None:
+                        return ops.gather(k, chunk, what)
+                    return _PairSum.apply(token, ops, k, chunk, 1.0 / gs, what)
+
+                xs = [pair_sum(k, "sum") if k not in swiglu_parts else pair_sum(k, "swiglu") if fused
+                      else swiglu(pair_sum(k, "gate"), pair_sum(k, "up")) for k in range(n_parts)]
                 logits = (_compiled_tail() if COMPILE else _call_tail)(tail, xs)
                 del xs
             if logits.shape != (n, 2 * vocab_size):
@@ -335,7 +374,7 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         out = [None if g is None else (grad_loss * g).to(dt).reshape(shape)
                for g, (shape, dt) in zip(ctx.saved_tensors, ctx.shapes)]
-        return (None,) * 8 + tuple(out)
+        return (None,) * 9 + tuple(out)
 
 
 def _concat_parts(head):
@@ -355,5 +394,6 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int)
     parts = split(f, b, p.lengths)
     n = len(parts.prefix)
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
-        return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes), n,
-                                  torch.is_grad_enabled(), *parts.prefix, *parts.suffix, *head.parameters())
+        return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes),
+                                  tuple(parts.swiglu), n, torch.is_grad_enabled(), *parts.prefix, *parts.suffix,
+                                  *head.parameters())

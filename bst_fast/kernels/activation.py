@@ -17,6 +17,10 @@ ACT = {name: k for k, name in enumerate(ACTIVATIONS)}
 # backend's pair sums, backends/torch_backend.py), and skip the recompute of z.
 # NO_ACT.value at a launch; NO_ACT itself in kernel code (a constexpr global).
 NO_ACT = tl.constexpr(len(ACTIVATIONS))
+# SwiGLU over a [gate | up] table (the residual SwiGLU head's gate/up projection): a pair's value is
+# silu(g) * u with g, u its two h-wide halves' sums, h wide (the "torch" backend's gated parts).
+SWIGLU = tl.constexpr(len(ACTIVATIONS) + 1)
+SILU = tl.constexpr(ACT["silu"])
 
 
 def interpreted_bf16(dtype) -> bool:
@@ -65,6 +69,13 @@ def act_grad(z, ACT: tl.constexpr):
         return s * (1.0 + z * (1.0 - s))
     else:
         return 1.0
+
+
+@triton.jit
+def swiglu_grad(d, g, u):
+    # (d silu(g) u / dg, d silu(g) u / du) times d, in float32: head.swiglu_grad's formula
+    s = 1.0 / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
+    return d * u * (s * (1.0 + g * (1.0 - s))), d * g * s
 
 
 @triton.jit

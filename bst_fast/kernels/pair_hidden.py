@@ -27,7 +27,7 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
 import triton
 import triton.language as tl
 
-from .activation import NO_ACT, act, act_grad, cast
+from .activation import NO_ACT, SILU, SWIGLU, act, act_grad, cast, swiglu_grad
 
 
 @triton.jit
@@ -43,17 +43,26 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld,
     b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * ld
     z = (tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
          + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32))
-    tl.store(H + r[:, None] * h + k[None, :], cast(act(z, ACT), H.dtype.element_ty, UP), mask=m2)
+    if ACT == SWIGLU:  # z is the gate; the up half sits h columns further on
+        u = (tl.load(A + a[:, None] + h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+             + tl.load(Bm + b[:, None] + h + k[None, :], mask=m2, other=0.0).to(tl.float32))
+        y = act(z, SILU) * u
+    else:
+        y = act(z, ACT)
+    tl.store(H + r[:, None] * h + k[None, :], cast(y, H.dtype.element_ty, UP), mask=m2)
 
 
 @triton.jit
-def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, s0, h, k, km,
+def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
                  ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, PERMUTED: tl.constexpr):
     # The segment kernels' shared loop: the sum over list positions q in [lo, hi) of
     # dH[slot - s0] * act'(z1), slot = perm[q] if PERMUTED else q, z1 = z_fixed (the segment's own
-    # A or B row) + M[other[slot]] (the other side's row, gathered). Under NO_ACT, the plain sum of
-    # dH (z_fixed and M are not read).
+    # A or B row) + M[other[slot]] (the other side's row, gathered; rows ld apart). Under NO_ACT,
+    # the plain sum of dH (z_fixed and M are not read). Under SWIGLU two sums, the gate's and the
+    # up half's gradients, with g = z_fixed + M[.., k], u = u_fixed + M[.., h + k]; else the second
+    # is zero.
     acc = tl.zeros((BK,), dtype=tl.float32)
+    acc_up = tl.zeros((BK,), dtype=tl.float32)
     for s in range(lo, hi, BS):
         q = s + tl.arange(0, BS)
         qm = q < hi
@@ -64,27 +73,42 @@ def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, s0, h, k, km,
             slot = q
         d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
         if ACT != NO_ACT:
-            rows = tl.load(other + slot, mask=qm, other=0).to(tl.int64) * h
+            rows = tl.load(other + slot, mask=qm, other=0).to(tl.int64) * ld
             z = z_fixed[None, :] + tl.load(M + rows[:, None] + k[None, :], mask=m2, other=0.0)
-            d = d * act_grad(z, ACT)
+            if ACT == SWIGLU:
+                u = u_fixed[None, :] + tl.load(M + rows[:, None] + h + k[None, :], mask=m2, other=0.0)
+                d, d_up = swiglu_grad(d, z, u)
+                acc_up += tl.sum(tl.where(m2, d_up, 0.0), axis=0)
+            else:
+                d = d * act_grad(z, ACT)
         acc += tl.sum(tl.where(m2, d, 0.0), axis=0)
-    return acc
+    return acc, acc_up
 
 
 @triton.jit
-def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, scale,
+def _add_row(dA, row, k, km, h, scale, acc, acc_up, ACT: tl.constexpr):
+    # dA[row, k] += scale * acc (row the element offset of the row); under SWIGLU also the up half,
+    # h columns further on
+    tl.store(dA + row + k, tl.load(dA + row + k, mask=km) + scale * acc, mask=km)
+    if ACT == SWIGLU:
+        tl.store(dA + row + h + k, tl.load(dA + row + h + k, mask=km) + scale * acc_up, mask=km)
+
+
+@triton.jit
+def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, ld, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
-    # dA[a] += scale * (the chunk's part of the segment's sum).
+    # dA[a] += scale * (the chunk's part of the segment's sum). Rows of A, B, dA are ld apart.
     g = seg_lo + tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
-    a = g.to(tl.int64)
+    a = g.to(tl.int64) * ld
     lo = tl.maximum(tl.load(seg_off + g), s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
-    za = tl.load(A + a * h + k, mask=km & (ACT != NO_ACT), other=0.0)
-    acc = _segment_sum(dH, Bm, ib, ib, lo, hi, za, s0, h, k, km, ACT, BS, BK, False)
-    tl.store(dA + a * h + k, tl.load(dA + a * h + k, mask=km) + scale * acc, mask=km)
+    za = tl.load(A + a + k, mask=km & (ACT != NO_ACT), other=0.0)
+    ua = tl.load(A + a + h + k, mask=km & (ACT == SWIGLU), other=0.0)
+    acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, za, ua, s0, h, ld, k, km, ACT, BS, BK, False)
+    _add_row(dA, a, k, km, h, scale, acc, acc_up, ACT)
 
 
 @triton.jit
@@ -101,7 +125,7 @@ def _first_at_least(perm, lo, hi, x, STEPS):
 
 
 @triton.jit
-def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps, scale,
+def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, steps, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]],
     # increasing; the chunk's part of them is found by binary search, so no program scans slots of
@@ -114,31 +138,44 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, steps
     last = tl.load(seg_off + c + 1)
     lo = _first_at_least(perm, first, last, s0, steps)
     hi = _first_at_least(perm, lo, last, s0 + n, steps)
-    zb = tl.load(Bm + c * h + k, mask=km & (ACT != NO_ACT), other=0.0)
-    acc = _segment_sum(dH, A, ia, perm, lo, hi, zb, s0, h, k, km, ACT, BS, BK, True)
-    tl.store(dB + c * h + k, tl.load(dB + c * h + k, mask=km) + scale * acc, mask=km)
+    zb = tl.load(Bm + c * ld + k, mask=km & (ACT != NO_ACT), other=0.0)
+    ub = tl.load(Bm + c * ld + h + k, mask=km & (ACT == SWIGLU), other=0.0)
+    acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, zb, ub, s0, h, ld, k, km, ACT, BS, BK, True)
+    _add_row(dB, c * ld, k, km, h, scale, acc, acc_up, ACT)
 
 
 def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
     """H (n, h) <- act(A[ia] + B[ib]) for the chunk's slots [s0, s0 + n) of the PairList `pl`;
-    A and B share a row stride (A.stride(-2), rows contiguous); act an index of ACT, or NO_ACT.value; cfg holds
-    gather_config's shapes; up: interpreted_bf16(H.dtype)."""
+    A and B share a row stride (A.stride(-2), rows contiguous); act an index of ACT, NO_ACT.value or
+    SWIGLU.value (A, B then [gate | up], 2h wide); cfg holds gather_config's shapes; up:
+    interpreted_bf16(H.dtype)."""
     h = H.shape[1]
+    if A.stride(-1) != 1 or Bm.stride() != A.stride() or A.shape[-1] != (2 * h if act == SWIGLU.value else h):
+        raise ValueError(f"pair_hidden: A {tuple(A.shape)} / B {tuple(Bm.shape)} with strides {A.stride()} / "
+                         f"{Bm.stride()} do not fit H {tuple(H.shape)} and act {act}")
     pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h, cfg["BK"]))](
         A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
         num_warps=cfg["hidden_warps"])
 
 
 def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
-    """dA, dB (contiguous, dH's width) += scale * the chunk's prefix / suffix segment sums of
-    dH * act'(A_ia + B_ib) (of dH alone under NO_ACT, which reads neither A nor B)."""
+    """dA, dB += scale * the chunk's prefix / suffix segment sums of dH * act'(A_ia + B_ib) (of dH
+    alone under NO_ACT, which reads neither A nor B; under SWIGLU the gate's and up's gradients,
+    dA and dB 2h wide). dH (n, h) contiguous; the rows of dA, dB (and of A, B where read) share a
+    stride, each row contiguous: dA may be a column slice of a wider table."""
     s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
-    h = dH.shape[1]
+    h, ld = dH.shape[1], dA.stride(-2)
+    wide = 2 * h if act == SWIGLU.value else h
+    read = act != NO_ACT.value
+    if (not dH.is_contiguous() or dA.stride(-1) != 1 or dB.stride() != dA.stride() or dA.shape[-1] != wide
+            or read and (A.stride() != dA.stride() or Bm.stride() != dA.stride())):
+        raise ValueError(f"segment_grads: dH {tuple(dH.shape)}, dA {tuple(dA.shape)} / {dA.stride()}, dB {dB.stride()}, "
+                         f"A {A.stride()}, B {Bm.stride()} do not fit act {act}")
     grid_k = triton.cdiv(h, cfg["BK"])
     if pre_hi > pre_lo:
         prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
-            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, scale, ACT=act, BS=cfg["BS"], BK=cfg["BK"])
+            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=cfg["BS"], BK=cfg["BK"])
     if suf_hi > suf_lo:
         suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
-            dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, pl.search_steps, scale,
+            dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pl.search_steps, scale,
             ACT=act, BS=cfg["BS"], BK=cfg["BK"])
