@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
 #   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests; fewer repeats
-#   STEPS="heads heads-compile check" bash bench/gpu.sh   # only the named steps (the names below)
+#   STEPS="heads heads-variants check" bash bench/gpu.sh   # only the named steps (the names below)
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
@@ -40,11 +40,12 @@ step 60 heads-512mb env BST_FAST_TORCH_CHUNK_MB=512 python3 bench/pairs.py --dev
 # where the SwiGLU head's time goes, in a training step at the shape (the torch backend)
 step 90 profile-swiglu python3 bench/profile.py --device cuda --head swiglu --batch 32 --T 256 --d-model 512 \
     --enc-layers 4 --steps 2 --out "$out"
-# the SwiGLU head's per-pair tail under torch.compile against the plain torch backend, side by side
-# (compile is used only where measured faster); its first run compiles, untimed
-step 240 heads-compile python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 \
-    --vocab 1000 --head swiglu --backends torch torch+compile --no-compile --subsample-T 0 --reps 5 \
-    --out "$out/$name-heads-compile.json"
+# the SwiGLU head through the torch backend's variants side by side: the fused swiglu part (the
+# default) against gate and up summed apart (the code before it), and the per-pair tail under
+# torch.compile (used only where measured faster; its first run compiles, untimed)
+step 240 heads-variants python3 bench/pairs.py --device cuda --dtype bfloat16 --batch 32 --T 256 --d-model 512 \
+    --vocab 1000 --head swiglu --backends torch torch+unfused torch+compile --no-compile --subsample-T 0 --reps 5 \
+    --out "$out/$name-heads-variants.json"
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
 wait $build || { echo "!! build failed"; status=1; }

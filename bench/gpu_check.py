@@ -1,5 +1,5 @@
 """GPU correctness of the triton backend (TextHead) and of the torch backend with its Triton pair sums
-(ResidualSwiGLUHead, TextHead; also with the per-pair tail under torch.compile: "torch+compile")
+(ResidualSwiGLUHead, TextHead; also its variants "torch+compile" and "torch+unfused")
 against the float64 reference (docs/contract.md §6), and their bitwise reproducibility; prints one
 line per case and exits nonzero on any failure.
 
@@ -34,7 +34,7 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
 
 def main():
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    only = set(sys.argv[2:]) or {"triton", "torch", "torch+compile"}
+    only = set(sys.argv[2:]) or {"triton", *torch_backend.VARIANTS}
     failures = 0
     cases = [
         dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
@@ -47,8 +47,10 @@ def main():
     # the torch backend (its Triton pair sums on a GPU) with the official head, and with a TextHead
     cases += [dict(c, backend="torch", swiglu=True, bias=k == 1) for k, c in enumerate(cases)]
     cases += [dict(cases[1], backend="torch")]
-    # the torch backend with the heads' per-pair tail under torch.compile (torch_backend.COMPILE)
+    # the torch backend with the heads' per-pair tail under torch.compile, and with the SwiGLU
+    # head's gate and up summed apart (torch_backend.VARIANTS)
     cases += [dict(cases[1], backend="torch+compile", swiglu=True, bias=False), dict(cases[0], backend="torch+compile")]
+    cases += [dict(cases[2], backend="torch+unfused", swiglu=True, bias=True)]
     for chunk in (None, 97):
         configs.CHUNK_PAIRS = torch_backend.CHUNK_PAIRS = chunk
         for k, c in enumerate(cases):
@@ -56,7 +58,6 @@ def main():
             backend = c.get("backend", "triton")
             if backend not in only:
                 continue
-            torch_backend.COMPILE = backend == "torch+compile"
             if c.get("swiglu"):
                 head = ResidualSwiGLUHead(c["m"], c["V"], hidden=c["hidden"] if isinstance(c["hidden"], int) else 64,
                                           bias=c["bias"])
@@ -84,9 +85,10 @@ def main():
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
             ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
             for dtype in (torch.float32, torch.bfloat16):
-                name = "torch" if backend == "torch+compile" else backend
-                l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
-                l2, g2 = run(f, b, tokens, head, dtype, scale, name, **regen())
+                name = "torch" if backend in torch_backend.VARIANTS else backend
+                with torch_backend.variant(backend if backend in torch_backend.VARIANTS else "torch"):
+                    l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
+                    l2, g2 = run(f, b, tokens, head, dtype, scale, name, **regen())
                 same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
                 el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
                 if dtype == torch.float32:

@@ -139,8 +139,9 @@ def make_head(kind, args, layers, V):
     return TextHead(m, V, hidden=h, n_layers=layers, activation="gelu"), h, 4 * m + 4 * h * (layers - 1)
 
 
-# The torch backend with its per-pair tail under torch.compile (torch_backend.COMPILE).
-COMPILED = "torch+compile"
+# The torch backend's named settings (torch_backend.VARIANTS), timed as rows of their own: its
+# per-pair tail under torch.compile, the SwiGLU head's gate and up summed apart (unfused).
+VARIANTS = [n for n in torch_backend.VARIANTS if n != "torch"]
 
 
 def backends_for(args, kind, head, f):
@@ -155,7 +156,7 @@ def backends_for(args, kind, head, f):
         names = [x for n in names for x in (every if n == "all" else [n])]
 
     def why(n):
-        if n == COMPILED:
+        if n in VARIANTS:
             return REGISTRY["torch"].unsupported(head, f)
         return REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}"
     return [(n, why(n)) for n in dict.fromkeys(names)]
@@ -195,17 +196,19 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
 
     def fused(backend, forward_only=False, **kw):
-        compile_tail, name = backend == COMPILED, "torch" if backend == COMPILED else backend
+        # each torch row names its settings (the environment's are not used)
+        settings = backend if backend in torch_backend.VARIANTS else "torch"
+        name = "torch" if backend in VARIANTS else backend
 
         def step():
             f.grad = b.grad = None
             head.zero_grad(set_to_none=True)
-            torch_backend.COMPILE = compile_tail  # each row says whether it compiles (not the environment)
-            if forward_only:
-                with torch.no_grad():
-                    belief_state_loss(f, b, tokens, head, backend=name, **kw)
-            else:
-                belief_state_loss(f, b, tokens, head, backend=name, **kw).backward()
+            with torch_backend.variant(settings):
+                if forward_only:
+                    with torch.no_grad():
+                        belief_state_loss(f, b, tokens, head, backend=name, **kw)
+                else:
+                    belief_state_loss(f, b, tokens, head, backend=name, **kw).backward()
         return step
 
     reps = args.reps if n_pairs * h * V < 5e10 else 1
@@ -214,7 +217,7 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         if why is not None:
             note(backend, f"not applicable: {why}")
             continue
-        if backend == COMPILED:  # compile (both graphs) outside the timings and the peak memory
+        if backend == "torch+compile":  # compile (both graphs) outside the timings and the peak memory
             fused(backend)()
             if args.forward:
                 fused(backend, forward_only=True)()
@@ -301,8 +304,9 @@ def main(argv=None):
     ap.add_argument("--swiglu-hidden", type=int, default=None,
                     help="the swiglu head's SwiGLU width (default 8*2m/3 rounded to a multiple of 128)")
     ap.add_argument("--backends", nargs="+", default=None,
-                    help=f"bst_fast backends to time, {COMPILED!r} (the torch backend with its per-pair head "
-                         "under torch.compile; the first run compiles, untimed), or 'all': every one that takes the head (default: "
+                    help="bst_fast backends to time, 'torch+compile' (the torch backend with its per-pair head "
+                         "under torch.compile; the first run compiles, untimed), 'torch+unfused' (the SwiGLU head's "
+                         "gate and up summed apart), or 'all': every one that takes the head (default: "
                          "cpp on the CPU and triton on CUDA for mlp, all for swiglu)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone (no_grad)")
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")

@@ -11,8 +11,8 @@ prefix[k] and suffix[k] are (B, L, w_k) tensors computed once per position (auto
 gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend forms
 x_k = prefix[k][r, i] + suffix[k][r, j], summed in float32 (float64 for float64 parts) and rounded
 once to dtypes[k], and tail([x_0, x_1, ...]) (each x_k (n, w_k) for n pairs) returns the (n, 2V)
-logits, equal to head(cat([f_i, b_j])). For k in `swiglu` the part is a [gate | up] table and x_k
-is swiglu(gate sum, up sum) (n, w_k / 2), computed from the float32 (float64) sums and rounded once. A part may be [f ; 0] and [0 ; b]: its sum is the
+logits, equal to head(cat([f_i, b_j])). For k in `swiglu` the part is a [gate | up] table and
+x_k = swiglu(gate sum, up sum), (n, w_k / 2), from the float32 (float64) sums, rounded once. A part may be [f ; 0] and [0 ; b]: its sum is the
 concatenation. Positions at or beyond lengths are in no pair; a part that multiplies f or b by a
 weight zeroes them first (0 * NaN = NaN in dW).
 """
@@ -179,10 +179,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    """(dgate, dup) of swiglu at (gate, up) for the output gradient `grad`; the Triton kernels'
-    kernels/activation.swiglu_grad is the same formula."""
-    s = torch.sigmoid(gate)
-    return grad * up * (s * (1 + gate * (1 - s))), grad * gate * s
+    """(dgate, dup) of swiglu at (gate, up) for the output gradient `grad`: grad * up * silu'(gate)
+    and grad * silu(gate) (kernels/activation.swiglu_grad is the same formula in Triton)."""
+    return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 class _Norm(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
 from bst_fast import _pairs, decode
 from bst_fast.backends import torch_backend
-from bst_fast.head import swiglu, swiglu_hidden
+from bst_fast.head import PairParts, swiglu, swiglu_hidden
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
                       random_grad_out, reference64, rel_err)
@@ -230,6 +230,32 @@ def test_chunk_size_from_the_byte_budget(monkeypatch):
                             lengths=torch.tensor([13, 4, 11]))
     assert sizes == [5] * (sum(sizes) // 5) + ([sum(sizes) % 5] if sum(sizes) % 5 else [])
     assert sum(sizes) == 66 + 3 + 45
+
+
+def test_bad_swiglu_parts_are_refused(monkeypatch):
+    """A head's swiglu parts must be among its parts and of even width ([gate | up])."""
+    f, b, tokens, _ = make_inputs(B=2, L=6, m=7, V=13, seed=42)
+    head = make_swiglu(seed=42)
+    real = head.pair_parts
+    odd = lambda f, b, l: PairParts([f], [b], [f.dtype], lambda xs: xs[0], swiglu=(0,))  # 7 wide
+    for parts in (lambda f, b, l: real(f, b, l)._replace(swiglu=(2,)),
+                  lambda f, b, l: real(f, b, l)._replace(swiglu=(-1,)), odd):
+        monkeypatch.setattr(head, "pair_parts", parts)
+        with pytest.raises(ValueError, match="swiglu must list parts of even width"):
+            belief_state_loss(f, b, tokens, head, backend="torch")
+
+
+def test_variants_set_and_restore_the_settings():
+    before = (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU)
+    with torch_backend.variant("torch+unfused"):
+        assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == (False, False)
+        with torch_backend.variant("torch+compile"):
+            assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == (True, True)
+        assert torch_backend.FUSED_SWIGLU is False
+    assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == before
+    with pytest.raises(ValueError, match="variant must be one of"):
+        with torch_backend.variant("torch+fast"):
+            pass
 
 
 def test_environment_settings_are_checked(monkeypatch):

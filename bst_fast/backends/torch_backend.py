@@ -5,11 +5,12 @@ The pair set is one sorted flat list on the device (`_pairs.pair_list`: ia = row
 ib = row * L + j, built once without a loop over rows), cut into chunks of `chunk_pairs` pairs: no
 host synchronisation per chunk. The head's work splits into parts computed once per position and a
 per-pair tail (`pair_parts`, see head.py): TextHead splits its first layer, ResidualSwiGLUHead its
-gate/up projection; any other head gets [f ; 0] and [0 ; b], whose pair sum is [f_i ; b_j]. Per
-chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
+gate/up projection (a swiglu part); any other head gets [f ; 0] and [0 ; b], whose pair sum is
+[f_i ; b_j]. Per chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
 
     x      = P[ia] + Q[ib]                (n, w): summed in float32 (float64), rounded once to the
-             part's dtype (_PairSum)
+             part's dtype (_PairSum); for a swiglu part [gate | up], x = silu(gate) * up (n, w/2)
+             from the float32 sums, rounded once (FUSED_SWIGLU; off: gate and up apart, then torch)
     logits = tail(x, ...)                 (n, 2V): the head's per-pair work, built by autograd
     CE     = float32 (float64) logsumexp; the logits become w·(softmax - onehot) in place
     grads  = autograd.grad(logits, parameters, that gradient); on the way back each pair sum adds
@@ -22,16 +23,20 @@ Two engines do the pair sums, their gradients and the cross-entropy:
   sum is pair_hidden_kernel without an activation: one read of two rows (L2 hits) and one write of
   n*w*es. Its gradient is the prefix and suffix segment sums: each reads x's gradient once
   (n*w*es), no atomics (these sums are reproducible; the head's own are torch's), and no float32
-  copy of x or of its gradient is made. The cross-entropy kernel reads and writes the logits once (2 * n*2V*es).
+  copy of x or of its gradient is made. A swiglu part: the same kernels with SWIGLU, one write of
+  n*w/2*es forward; backward each reads the (n, w/2) gradient once and recomputes gate and up from
+  P and Q (L2 hits), so neither gate, up nor their gradients are ever stored. The cross-entropy
+  kernel reads and writes the logits once (2 * n*2V*es).
 - torch ops (the CPU, and float64; _TorchOps): one embedding_bag over [P ; Q] and a cast;
   index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a
-  GPU); the cross-entropy in 5 passes over the logits (on the CPU torch upcasts a float32 copy of
-  16-bit logits for the sum).
+  GPU); a swiglu part's activation and its gradient (head.swiglu_grad, from the sums gathered
+  again) in the accumulator's dtype; the cross-entropy in 5 passes over the logits (on the CPU
+  torch upcasts a float32 copy of 16-bit logits for the sum).
 
-A chunk holds about CHUNK_BYTES in the per-pair tensors the backend makes: the parts' sums and the
-logits (the head's own intermediates come on top: for the SwiGLU head about three times as much).
-Every part counts, not only the widest: the SwiGLU head's residual, gate and up sums are each
-narrower than its logits, but together four times wider.
+A chunk holds about CHUNK_BYTES in the per-pair tensors the backend makes: the parts' values and
+the logits (the head's own intermediates come on top: for the SwiGLU head about twice as much).
+Every part counts, not only the widest: the SwiGLU head's residual and SwiGLU output are each
+narrower than its logits, but together wider.
 
 The loss is the graph's last node, so the forward computes every gradient and the backward only
 scales them by grad_output (autograd then maps the parts' gradients back to f, b and the split
@@ -40,6 +45,7 @@ that fp16 gradients do not underflow) and multiplied back at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -70,6 +76,23 @@ COMPILE = env_flag("BST_FAST_TORCH_COMPILE")
 # (BST_FAST_TORCH_UNFUSED_SWIGLU=1): gate and up summed apart, rounded, and combined by torch's silu
 # and mul, as before the fused step (kept to measure one against the other).
 FUSED_SWIGLU = not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU")
+# Named settings of this backend, for benchmarks and checks that time or test them side by side.
+VARIANTS = {"torch": dict(COMPILE=False, FUSED_SWIGLU=True),
+            "torch+compile": dict(COMPILE=True, FUSED_SWIGLU=True),
+            "torch+unfused": dict(COMPILE=False, FUSED_SWIGLU=False)}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Runs the block with this backend's settings VARIANTS[name], then restores them."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
+    old = {key: globals()[key] for key in VARIANTS[name]}
+    globals().update(VARIANTS[name])
+    try:
+        yield
+    finally:
+        globals().update(old)
 
 
 def _call_tail(tail, xs):
@@ -167,13 +190,17 @@ class _TorchOps:
 
     def add_grad(self, k, chunk, grad, scale, what):
         g = grad.to(self.grads[k].dtype)
-        if what == "swiglu":
-            g = torch.cat(swiglu_grad(g, *self._sums(k, chunk, what).chunk(2, dim=1)), 1)
         if scale != 1.0:
             g = g * scale
-        rows, dst = self.rows(chunk), _halves(self.grads[k], what)
-        dst.index_add_(0, rows[:, 0], g)
-        dst.index_add_(0, rows[:, 1], g)
+        rows = self.rows(chunk)
+        if what == "swiglu":  # the gate's and up's gradients into the two halves
+            pieces = zip(swiglu_grad(g, *self._sums(k, chunk, what).chunk(2, dim=1)), ("gate", "up"))
+        else:
+            pieces = [(g, what)]
+        for g, half in pieces:
+            dst = _halves(self.grads[k], half)
+            dst.index_add_(0, rows[:, 0], g)
+            dst.index_add_(0, rows[:, 1], g)
 
     def cross_entropy_(self, z, chunk, need, gscale):
         s0, n = chunk[:2]
@@ -393,6 +420,10 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int)
     split = getattr(head, "pair_parts", None) or _concat_parts(head)
     parts = split(f, b, p.lengths)
     n = len(parts.prefix)
+    for k in parts.swiglu:
+        if not (isinstance(k, int) and 0 <= k < n and parts.prefix[k].shape[-1] % 2 == 0):
+            raise ValueError(f"pair_parts: swiglu must list parts of even width ([gate | up]) among the {n} "
+                             f"parts, got {k!r}")
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
         return _ChunkedLoss.apply(tokens, p, next_weight, vocab_size, parts.tail, list(parts.dtypes),
                                   tuple(parts.swiglu), n, torch.is_grad_enabled(), *parts.prefix, *parts.suffix,
