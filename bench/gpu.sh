@@ -49,7 +49,9 @@ step 240 heads-variants python3 bench/pairs.py --device cuda --dtype bfloat16 --
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
 wait $build || { echo "!! build failed"; status=1; }
-step 240 check python3 bench/gpu_check.py
+# QUICK: without the torch+compile cases (each dtype and chunk size compiles anew)
+[ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
+step 240 check python3 bench/gpu_check.py $C
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"

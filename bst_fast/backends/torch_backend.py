@@ -57,7 +57,7 @@ from ..head import PairParts, concat_parts, swiglu, swiglu_grad
 from . import env_flag, env_mb, on_device
 
 # Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
-# V=1000 in bf16, 16k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
+# V=1000 in bf16, 23k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
 # a smaller chunk stays in cache.
 CHUNK_BYTES = env_mb("BST_FAST_TORCH_CHUNK_MB", 256)
 CPU_CHUNK_BYTES = 16 * 2**20
