@@ -14,7 +14,7 @@ from torch import nn
 from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
 from bst_fast import _pairs, decode
 from bst_fast.backends import torch_backend
-from bst_fast.head import PairParts, swiglu, swiglu_hidden
+from bst_fast.head import PairParts, split_linear, swiglu, swiglu_grad, swiglu_hidden
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
                       random_grad_out, reference64, rel_err)
@@ -230,6 +230,59 @@ def test_chunk_size_from_the_byte_budget(monkeypatch):
                             lengths=torch.tensor([13, 4, 11]))
     assert sizes == [5] * (sum(sizes) // 5) + ([sum(sizes) % 5] if sum(sizes) % 5 else [])
     assert sum(sizes) == 66 + 3 + 45
+
+
+class _SlicedGLU(nn.Module):
+    """A custom head whose swiglu part is a column slice of a wider projection (rows 2h + 2 apart)."""
+
+    def __init__(self, m=3, V=5, h=4):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.h, self.w, self.out = h, nn.Linear(2 * m, 2 * h + 2), nn.Linear(h, 2 * V)
+        with torch.no_grad():
+            for q in self.parameters():
+                q.copy_(torch.randn(q.shape, generator=g))
+
+    def forward(self, x):
+        return self.out(swiglu(*self.w(x)[..., : 2 * self.h].chunk(2, -1)))
+
+    def pair_parts(self, f, b, lengths):
+        gf, gb = split_linear(self.w, f, b, torch.float32)
+        return PairParts([gf[..., : 2 * self.h]], [gb[..., : 2 * self.h]], [f.dtype], lambda xs: self.out(xs[0]),
+                         swiglu=(0,))
+
+
+def test_swiglu_part_with_strided_rows(engine):
+    """A swiglu part may be a column slice of a wider table (rows not contiguous): both engines."""
+    f, b, tokens, _ = make_inputs(B=2, L=6, m=3, V=5, seed=44)
+    check_against_reference(f, b, tokens, _SlicedGLU(), backend="torch", seed=44)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_swiglu_of_16_bit_tables_rounds_once(dtype, engine):
+    """16-bit [gate | up] tables (a custom head's): SwiGLU of their float32 sums, rounded once, and
+    the gradients from the same float32 sums, on both engines."""
+    B, L, h = 2, 9, 8
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    p = _pairs.prepare(torch.zeros(B, L, 3), torch.zeros(B, L, 3), tokens, 5, lengths=None, prefix_start=0,
+                       min_gap=2, max_gap=None, pairs=None, next_weight=0.5, reduction="mean", generator=None)
+    pl = _pairs.pair_list(p, B, L, 1000)
+    g = torch.Generator().manual_seed(45)
+    P, Q = [(torch.randn(B, L, 2 * h, generator=g) * 3).to(dtype) for _ in range(2)]
+    ia, ib = pl.ia.long(), pl.ib.long()
+    s = P.double().reshape(B * L, -1)[ia] + Q.double().reshape(B * L, -1)[ib]  # exact in float32 too
+    dx = torch.randn(ia.numel(), h, generator=g).to(dtype)
+    dg, du = swiglu_grad(dx.double(), s[:, :h], s[:, h:])
+    want = torch.zeros(2 * B * L, 2 * h, dtype=torch.float64)
+    for rows in (ia, ib + B * L):
+        want.index_add_(0, rows, torch.cat([dg, du], 1))
+    grads = [torch.zeros(2 * B * L, 2 * h)]
+    ops = (torch_backend._TritonOps if engine[0] == "triton" else torch_backend._TorchOps)(
+        [P], [Q], [dtype], (0,), pl, grads, tokens, 0.5)
+    x = ops.gather(0, pl.chunks[0], "swiglu")
+    assert torch.equal(x, swiglu(s[:, :h], s[:, h:]).float().to(dtype))
+    ops.add_grad(0, pl.chunks[0], dx, 1.0, "swiglu")
+    assert rel_err(grads[0], want) < 1e-6
 
 
 def test_bad_swiglu_parts_are_refused(monkeypatch):

@@ -164,9 +164,12 @@ class _TorchOps:
 
     writes_logits_without_grad = True  # the cross-entropy works in place on the logits
 
-    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
+    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight):
         BL = prefix[0].shape[0] * prefix[0].shape[1]
         self.tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
+        for k in swiglu_parts:  # SwiGLU of the float32 (float64) sums: 16-bit tables are upcast first
+            if self.tables[k].dtype != torch.float64:
+                self.tables[k] = self.tables[k].float()
         self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
         self.tok = tokens.reshape(-1)
         self.lam = torch.tensor([next_weight, 1.0 - next_weight], dtype=pl.w.dtype, device=tokens.device).reshape(1, 2, 1)
@@ -221,17 +224,18 @@ class _TritonOps:
 
     writes_logits_without_grad = False  # without gradients the cross-entropy only reads the logits
 
-    def __init__(self, prefix, suffix, dtypes, pl: PairList, grads, tokens, next_weight):
+    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight):
         from ..kernels.activation import NO_ACT, SWIGLU, interpreted_bf16
         from .configs import gather_config
 
         BL = prefix[0].shape[0] * prefix[0].shape[1]
         self.P, self.Q = [], []
-        for P, Q in zip(prefix, suffix):
-            # rows may be ld apart (the SwiGLU head's gate and up: column halves of one table), but
-            # each row contiguous and both tables alike; otherwise a contiguous copy
+        for k, (P, Q) in enumerate(zip(prefix, suffix)):
+            # rows may be ld apart (a column slice of a wider table), but each row contiguous and
+            # both tables alike; otherwise a contiguous copy. A swiglu part's backward reads P and Q
+            # with the row stride of its contiguous gradient, so it is always contiguous.
             P, Q = P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)
-            if P.stride(1) != 1 or Q.stride() != P.stride():
+            if P.stride(1) != 1 or Q.stride() != P.stride() or k in swiglu_parts:
                 P, Q = P.contiguous(), Q.contiguous()
             self.P.append(P)
             self.Q.append(Q)
@@ -335,7 +339,8 @@ class _ChunkedLoss(torch.autograd.Function):
         per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize // (2 if k in swiglu_parts and fused else 1)
                                              for k, (P, d) in enumerate(zip(prefix, dtypes)))
         pl = pair_list(p, Bn, L, chunk_pairs(per_pair, dev), dtype=acc)
-        ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, pl, grads, tokens, next_weight)
+        ops = (_TritonOps if _use_triton(dev, acc) else _TorchOps)(prefix, suffix, dtypes, swiglu_parts, pl, grads, tokens,
+                                                                    next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16

@@ -83,9 +83,9 @@ def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
         d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
         if ACT != NO_ACT:
             rows = tl.load(other + slot, mask=qm, other=0).to(tl.int64) * ld
-            z = z_fixed[None, :] + tl.load(M + rows[:, None] + k[None, :], mask=m2, other=0.0)
+            z = z_fixed[None, :] + tl.load(M + rows[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
             if ACT == SWIGLU:
-                u = u_fixed[None, :] + tl.load(M + rows[:, None] + h + k[None, :], mask=m2, other=0.0)
+                u = u_fixed[None, :] + tl.load(M + rows[:, None] + h + k[None, :], mask=m2, other=0.0).to(tl.float32)
                 d, d_up = swiglu_grad(d, z, u)
                 acc_up += tl.sum(tl.where(m2, d_up, 0.0), axis=0)
             else:
@@ -114,8 +114,9 @@ def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, ld, scale,
     a = g.to(tl.int64) * ld
     lo = tl.maximum(tl.load(seg_off + g), s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
-    za = tl.load(A + a + k, mask=km & (ACT != NO_ACT), other=0.0)
-    ua = tl.load(A + a + h + k, mask=km & (ACT == SWIGLU), other=0.0)
+    # the segment's own row, float32 (the sums are float32 whatever the tables' dtype)
+    za = tl.load(A + a + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
+    ua = tl.load(A + a + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
     acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, za, ua, s0, h, ld, k, km, ACT, BS, BK, False)
     _add_row(dA, a, k, km, h, scale, acc, acc_up, ACT)
 
@@ -147,8 +148,8 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, s
     last = tl.load(seg_off + c + 1)
     lo = _first_at_least(perm, first, last, s0, steps)
     hi = _first_at_least(perm, lo, last, s0 + n, steps)
-    zb = tl.load(Bm + c * ld + k, mask=km & (ACT != NO_ACT), other=0.0)
-    ub = tl.load(Bm + c * ld + h + k, mask=km & (ACT == SWIGLU), other=0.0)
+    zb = tl.load(Bm + c * ld + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
+    ub = tl.load(Bm + c * ld + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
     acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, zb, ub, s0, h, ld, k, km, ACT, BS, BK, True)
     _add_row(dB, c * ld, k, km, h, scale, acc, acc_up, ACT)
 
