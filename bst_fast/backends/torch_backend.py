@@ -344,6 +344,12 @@ class _ChunkedLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
+
+        def pair_value(k, what, chunk, gs):  # a part's per-pair value, in the graph if it needs a gradient
+            if grads[k] is None:
+                return ops.gather(k, chunk, what)
+            return _PairSum.apply(token, ops, k, chunk, 1.0 / gs, what)
+
         for chunk in pl.chunks:
             s0, n = chunk[:2]
             # float16 parameter gradients are sums over the chunk's pairs of O(1) per-pair terms
@@ -356,13 +362,10 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
                 first = token.view(()).grad_fn._sequence_nr() if backprop else None
-                def pair_sum(k, what):
-                    if grads[k] is None:
-                        return ops.gather(k, chunk, what)
-                    return _PairSum.apply(token, ops, k, chunk, 1.0 / gs, what)
-
-                xs = [pair_sum(k, "sum") if k not in swiglu_parts else pair_sum(k, "swiglu") if fused
-                      else swiglu(pair_sum(k, "gate"), pair_sum(k, "up")) for k in range(n_parts)]
+                xs = [pair_value(k, "sum", chunk, gs) if k not in swiglu_parts
+                      else pair_value(k, "swiglu", chunk, gs) if fused
+                      else swiglu(pair_value(k, "gate", chunk, gs), pair_value(k, "up", chunk, gs))
+                      for k in range(n_parts)]
                 logits = (_compiled_tail() if COMPILE else _call_tail)(tail, xs)
                 del xs
             if logits.shape != (n, 2 * vocab_size):
