@@ -374,7 +374,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                         (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"], "*fp32"))
         else:
-            g = gather_config("cuda", widths[0])
+            g = gather_config("cuda", widths[0], swiglu=V < 0)
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)
             launches = ((pair_hidden_kernel, dict(ACT=a, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
                         (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["BK"]), 4, table),

@@ -35,12 +35,18 @@ def ce_config(device_type: str, V: int) -> dict:
     return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
 
 
-def gather_config(device_type: str, width: int) -> dict:
-    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide."""
+def gather_config(device_type: str, width: int, swiglu: bool = False) -> dict:
+    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide
+    (with swiglu: outputs `width` wide, SWIGLU's segment sums)."""
     if device_type == "cuda":
         # The gathers are memory-bound: 16 elements a thread (BM x BK or BS x BK over 4 warps) keeps
         # registers low enough for several blocks per SM. 64 x 128 at 4 warps spilled 360 bytes
         # (ptxas, sm_90): the int64 row offsets double the registers of every gathered element.
-        return dict(BM=16, BK=min(128, triton.next_power_of_2(width)), BS=16, hidden_warps=4)
+        # SWIGLU loads twice the tiles (gate and up): its segment sums at BS=16 take 91-127
+        # registers (ptxas sm_90, Triton 3.6 / 3.9), four blocks an SM, at BS=8 47-56; its gather
+        # at BM=16 94-96. Half the rows a block keeps as many elements in flight per thread as the
+        # plain kernels (chosen from the registers alone: not timed on a GPU).
+        rows = 8 if swiglu else 16
+        return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), BS=rows, hidden_warps=4)
     # the interpreter: small blocks that still exercise every loop
     return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), BS=4, hidden_warps=4)

@@ -240,8 +240,10 @@ class _TritonOps:
             self.P.append(P)
             self.Q.append(Q)
         self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
-        self.cfg = [gather_config(P.device.type, P.shape[1]) for P in self.P]
-        self.half_cfg = [gather_config(P.device.type, P.shape[1] // 2) for P in self.P]
+        # launch shapes by what a part's kernels do: its sum, a half (gate or up), or SWIGLU
+        self.cfg = [dict(sum=gather_config(P.device.type, P.shape[1]), gate=gather_config(P.device.type, P.shape[1] // 2),
+                         up=gather_config(P.device.type, P.shape[1] // 2),
+                         swiglu=gather_config(P.device.type, P.shape[1] // 2, swiglu=True)) for P in self.P]
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.act = dict(swiglu=SWIGLU.value, gate=NO_ACT.value, up=NO_ACT.value, sum=NO_ACT.value)
         self.tok, self.lam = tokens.contiguous().reshape(-1), float(next_weight)
@@ -255,7 +257,7 @@ class _TritonOps:
         if what != "swiglu":
             P, Q = _halves(P, what), _halves(Q, what)
         x = torch.empty(n, P.shape[1] // (2 if what == "swiglu" else 1), dtype=self.dtypes[k], device=P.device)
-        pair_hidden(P, Q, self.pl, s0, n, x, self.act[what], self.cfg[k] if what == "sum" else self.half_cfg[k], self.up[k])
+        pair_hidden(P, Q, self.pl, s0, n, x, self.act[what], self.cfg[k][what], self.up[k])
         return x
 
     def add_grad(self, k, chunk, grad, scale, what):
@@ -267,7 +269,7 @@ class _TritonOps:
         if what != "swiglu":
             P, Q, dPQ = _halves(P, what), _halves(Q, what), _halves(dPQ, what)
         segment_grads(grad.contiguous(), P, Q, self.pl, chunk, dPQ[: self.BL], dPQ[self.BL :], self.act[what], scale,
-                      self.cfg[k] if what == "sum" else self.half_cfg[k])
+                      self.cfg[k][what])
 
     def cross_entropy_(self, z, chunk, need, gscale):
         from ..kernels.activation import interpreted_bf16

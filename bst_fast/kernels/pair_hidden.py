@@ -30,8 +30,9 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   each reduction one es read of dH and two float32 reads (L2). So about 3 * es of memory traffic
   per unit, against about 19 * es when gate and up are stored and combined by torch (written:
   gate, up, silu(gate), H, and three gradients; read back: 12), 16 KB against 102 KB per pair for
-  the SwiGLU head at m=512 in bf16. ptxas (sm_90, Triton 3.9): 94-96
-  registers in the gather, 119-128 in the segment kernels, no spills (Triton 3.6: 80-92).
+  the SwiGLU head at m=512 in bf16. ptxas (sm_90, Triton 3.9 / 3.6): 94-96 / 80-88 registers in
+  the gather and 119-128 / 90-92 in the segment kernels at the plain kernels' 16 rows a block; at
+  8 rows (backends/configs.py) 40 and 47-56, no spills.
 """
 import triton
 import triton.language as tl
