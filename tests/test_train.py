@@ -46,17 +46,28 @@ def test_resume_is_bitwise_exact(tmp_path, method):
     assert any(not torch.equal(x, y) for x, y in moved.values())
 
 
-def test_ddp_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("head_type,port", [("mlp", 29517), ("swiglu", 29518)])
+def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
+    """Two DDP ranks give one process's parameters: the TextHead (cpp backend) and the official
+    SwiGLU head (the torch backend, whose gradients are computed in the loss's forward)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", "ckpt_every=0"]
+    sets = ["--set", "ckpt_every=0", "--set", f"model.head_type={head_type}"]
+    base = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY)] + sets
     subprocess.run(base + ["--set", f"out_dir={tmp_path / 'one'}"], check=True, env=env, capture_output=True)
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "bst_fast", "train", "--config", str(TINY), "--set", "ckpt_every=0", "--set", f"out_dir={tmp_path / 'two'}"]
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "bst_fast", "train", "--config", str(TINY)] + sets + ["--set", f"out_dir={tmp_path / 'two'}"]
     run = subprocess.run(ddp, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     params = same_params(tmp_path / "one", tmp_path / "two")
-    worst = max(float((x - y).abs().max() / (y.abs().max() + 1e-12)) for x, y in params.values())
-    assert worst < 1e-5
+    d = 16  # model.d_model of the tiny config
+    for name, (x, y) in params.items():
+        if name.endswith("qkv.bias"):
+            # attention ignores a key bias (it shifts every score of a query alike): its gradient is
+            # rounding noise, which AdamW turns into lr-sized steps of any sign; compare q and v
+            keep = torch.ones_like(x, dtype=torch.bool)
+            keep[d : 2 * d] = False
+            x, y = x[keep], y[keep]
+        assert float((x - y).abs().max() / (y.abs().max() + 1e-12)) < 1e-5, name
 
 
 def test_checkpoints_are_kept_and_named(tmp_path):
