@@ -139,11 +139,6 @@ def make_head(kind, args, layers, V):
     return TextHead(m, V, hidden=h, n_layers=layers, activation="gelu"), h, 4 * m + 4 * h * (layers - 1)
 
 
-# The torch backend's named settings (torch_backend.VARIANTS), timed as rows of their own: its
-# per-pair tail under torch.compile, the SwiGLU head's gate and up summed apart (unfused).
-VARIANTS = [n for n in torch_backend.VARIANTS if n != "torch"]
-
-
 def backends_for(args, kind, head, f):
     """(name, why not) of the backends to time: --backends, or 'all' (the default for heads other
     than mlp) for every registered backend that takes this head and input (the reference is the
@@ -155,8 +150,8 @@ def backends_for(args, kind, head, f):
         every = [n for n, be in REGISTRY.items() if n != "reference" and be.unsupported(head, f) is None]
         names = [x for n in names for x in (every if n == "all" else [n])]
 
-    def why(n):
-        if n in VARIANTS:
+    def why(n):  # a name in torch_backend.VARIANTS is the torch backend with those settings
+        if n in torch_backend.VARIANTS:
             return REGISTRY["torch"].unsupported(head, f)
         return REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}"
     return [(n, why(n)) for n in dict.fromkeys(names)]
@@ -196,14 +191,15 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
 
     def fused(backend, forward_only=False, **kw):
-        # each torch row names its settings (the environment's are not used)
-        settings = backend if backend in torch_backend.VARIANTS else "torch"
-        name = "torch" if backend in VARIANTS else backend
+        # the torch backend's rows (torch_backend.VARIANTS: torch, torch+compile, torch+unfused) name
+        # its settings; the environment's are not used
+        variant = backend if backend in torch_backend.VARIANTS else "torch"
+        name = "torch" if backend in torch_backend.VARIANTS else backend
 
         def step():
             f.grad = b.grad = None
             head.zero_grad(set_to_none=True)
-            with torch_backend.variant(settings):
+            with torch_backend.variant(variant):
                 if forward_only:
                     with torch.no_grad():
                         belief_state_loss(f, b, tokens, head, backend=name, **kw)

@@ -108,34 +108,35 @@ class TextHead(nn.Module):
             x = layer(activation(self.activation, x))
         return x
 
-    def first_layer_states(self, f, b, lengths, dtype=torch.float32):
-        """(A, B), each (B, L, h1) in `dtype` (float32 unless asked): A = f W1f^T + c1, B = b W1b^T,
-        so z1_ij = A_i + B_j.
+    def first_layer_states(self, f, b, lengths):
+        """(A, B), each (B, L, h1) float32 (float64 for float64 inputs): A = f W1f^T + c1,
+        B = b W1b^T, so z1_ij = A_i + B_j.
 
         The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
         (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
         that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
-        return split_linear(self.layers[0], zero_padding(f, lengths), zero_padding(b, lengths), dtype)
+        return split_linear(self.layers[0], zero_padding(f, lengths), zero_padding(b, lengths))
 
     def pair_parts(self, f, b, lengths):
         """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
         A_i + B_j rounded once to the layers' dtype, then act and the later layers (see the module
         docstring)."""
-        dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
-        with torch.autocast(f.device.type, enabled=False):
-            A, B = self.first_layer_states(f, b, lengths, dtype)
+        A, B = self.first_layer_states(f, b, lengths)
         return PairParts([A], [B], [linear_dtype(self.layers[0], f.device.type)], lambda xs: self._after_first_layer(xs[0]))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
 
 
-def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, dtype):
-    """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T) in
-    `dtype`, with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j])."""
+def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor):
+    """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T),
+    with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j]). In float32 (float64 for
+    float64 inputs), autocast or not: the per-pair sum is rounded once, later, by the backend."""
+    dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
     w, c, m = linear.weight, linear.bias, f.shape[-1]
-    return (F.linear(f.to(dtype), w[:, :m].to(dtype), None if c is None else c.to(dtype)),
-            F.linear(b.to(dtype), w[:, m:].to(dtype)))
+    with torch.autocast(f.device.type, enabled=False):
+        return (F.linear(f.to(dtype), w[:, :m].to(dtype), None if c is None else c.to(dtype)),
+                F.linear(b.to(dtype), w[:, m:].to(dtype)))
 
 
 def linear_dtype(linear: nn.Linear, device_type: str) -> torch.dtype:
@@ -268,9 +269,7 @@ class ResidualSwiGLUHead(nn.Module):
         f, b = zero_padding(f, lengths), zero_padding(b, lengths)
         # float32 (float64 for float64) tables: two bf16 parts rounded apart and then added miss
         # docs/contract.md §6's bound (2x the materialised error) on some gradients.
-        acc = torch.float64 if f.dtype == torch.float64 else torch.float32
-        with torch.autocast(f.device.type, enabled=False):
-            gf, gb = split_linear(self.mlp[0].gate_up, f, b, acc)
+        gf, gb = split_linear(self.mlp[0].gate_up, f, b)
         xf, xb = concat_parts(f, b)
         return PairParts([xf, gf], [xb, gb], [f.dtype, linear_dtype(self.mlp[0].gate_up, f.device.type)],
                          lambda xs: self._after_swiglu(*xs), swiglu=(1,))

@@ -247,7 +247,7 @@ class _SlicedGLU(nn.Module):
         return self.out(swiglu(*self.w(x)[..., : 2 * self.h].chunk(2, -1)))
 
     def pair_parts(self, f, b, lengths):
-        gf, gb = split_linear(self.w, f, b, torch.float32)
+        gf, gb = split_linear(self.w, f, b)
         return PairParts([gf[..., : 2 * self.h]], [gb[..., : 2 * self.h]], [f.dtype], lambda xs: self.out(xs[0]),
                          swiglu=(0,))
 

@@ -241,9 +241,11 @@ class _TritonOps:
             self.Q.append(Q)
         self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
         # launch shapes by what a part's kernels do: its sum, a half (gate or up), or SWIGLU
-        self.cfg = [dict(sum=gather_config(P.device.type, P.shape[1]), gate=gather_config(P.device.type, P.shape[1] // 2),
-                         up=gather_config(P.device.type, P.shape[1] // 2),
-                         swiglu=gather_config(P.device.type, P.shape[1] // 2, swiglu=True)) for P in self.P]
+        self.cfg = []
+        for P in self.P:
+            half = gather_config(P.device.type, P.shape[1] // 2)
+            self.cfg.append(dict(sum=gather_config(P.device.type, P.shape[1]), gate=half, up=half,
+                                 swiglu=gather_config(P.device.type, P.shape[1] // 2, swiglu=True)))
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.act = dict(swiglu=SWIGLU.value, gate=NO_ACT.value, up=NO_ACT.value, sum=NO_ACT.value)
         self.tok, self.lam = tokens.contiguous().reshape(-1), float(next_weight)

@@ -73,9 +73,8 @@ def act_grad(z, ACT: tl.constexpr):
 
 @triton.jit
 def swiglu_grad(d, g, u):
-    # (d silu(g) u / dg, d silu(g) u / du) times d, in float32: head.swiglu_grad's formula
-    s = 1.0 / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
-    return d * u * (s * (1.0 + g * (1.0 - s))), d * g * s
+    # d times (d silu(g) u / dg, d silu(g) u / du) in float32: head.swiglu_grad's formula
+    return d * u * act_grad(g, SILU), d * act(g, SILU)
 
 
 @triton.jit
