@@ -8,7 +8,6 @@ from torch import nn
 
 from . import _pairs
 from .backends import REGISTRY, pick
-from .head import TextHead
 
 BACKENDS = ("auto",) + tuple(REGISTRY)
 
@@ -34,8 +33,9 @@ def _vocab_size(head, m, device, dtype):
 def _check_head(head, f):
     if not isinstance(head, nn.Module):
         raise ValueError(f"head must be an nn.Module, got {type(head).__name__}")
-    if isinstance(head, TextHead) and head.d_model != f.shape[-1]:
-        raise ValueError(f"head.d_model ({head.d_model}) must equal the last dimension m of f ({f.shape[-1]})")
+    d = getattr(head, "d_model", None)  # TextHead's and ResidualSwiGLUHead's width m
+    if isinstance(d, int) and f.dim() == 3 and d != f.shape[-1]:
+        raise ValueError(f"head.d_model ({d}) must equal the last dimension m of f ({f.shape[-1]})")
     for name, q in head.named_parameters():
         if q.dtype != f.dtype:
             raise ValueError(f"head parameter {name} must have the dtype of f ({f.dtype}), got {q.dtype}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bst_fast.backends.cpp_backend  # noqa: F401  (registers the ops' Python rules)
-from bst_fast import BACKENDS, BeliefStateLoss, belief_state_loss
+from bst_fast import BACKENDS, BeliefStateLoss, ResidualSwiGLUHead, belief_state_loss
 
 from _helpers import make_head, make_inputs
 
@@ -58,6 +58,7 @@ BAD = {
     "b_shape": (lambda x: dict(b=x[1][:, :-1]), ValueError, r"\bb\b"),
     "b_width": (lambda x: dict(b=_randn(B, L, m + 1)), ValueError, r"\bb\b"),
     "head_d_model": (lambda x: dict(head=make_head(m + 1, V, hidden=6)), ValueError, "d_model"),
+    "swiglu_head_d_model": (lambda x: dict(head=ResidualSwiGLUHead(m + 1, V, hidden=6)), ValueError, "d_model"),
     "f_int": (lambda x: dict(f=x[0].long(), b=x[1].long()), ValueError, r"\bf\b|dtype"),
     "b_dtype": (lambda x: dict(b=x[1].double()), ValueError, r"\bb\b.*dtype"),
     "head_dtype": (lambda x: dict(head=make_head(m, V, hidden=6).double()), ValueError, "head.*dtype"),

@@ -14,7 +14,7 @@ def _sample_pairs_fake(lengths, prefix_start, min_gap, max_gap, k, seed):
     return tuple(lengths.new_empty(n) for _ in range(3))
 
 
-pair_loss_op.register("bst_fast::pair_loss")
+pair_loss_op.register("bst_fast::pair_loss", "cpp")
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):

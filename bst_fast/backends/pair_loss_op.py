@@ -12,6 +12,8 @@ grad_output, since the loss is the graph's last node.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -31,8 +33,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(dA, dB, *dW, *dc)
 
 
-def _backward(ctx, grad_loss, *_):
+def no_double_backward(backend: str):
+    """Raise under create_graph=True (autograd runs a backward with grad mode on only then): the
+    gradients were computed in the forward pass and are constants here, so a second derivative
+    taken through them would be silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"belief_state_loss: backend {backend!r} computes its gradients in the forward pass and "
+                           f"has no second derivative (backward with create_graph=True); use backend='reference'")
+
+
+def _backward(backend, ctx, grad_loss, *_):
     # The op computed its gradients in the forward pass; the chain rule only scales them.
+    no_double_backward(backend)
     dA, dB, *rest = ctx.saved_tensors
     if dA.numel() == 0:
         raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
@@ -41,7 +53,7 @@ def _backward(ctx, grad_loss, *_):
             [grad_loss * c for c in rest[n:]]) + (None,) * 12
 
 
-def register(qualname: str):
-    """Attach the fake (shapes) and autograd rules to one of the pair-loss ops."""
+def register(qualname: str, backend: str):
+    """Attach the fake (shapes) and autograd rules to one of the pair-loss ops (`backend`'s)."""
     torch.library.register_fake(qualname)(fake)
-    torch.library.register_autograd(qualname, _backward, setup_context=_setup_context)
+    torch.library.register_autograd(qualname, functools.partial(_backward, backend), setup_context=_setup_context)

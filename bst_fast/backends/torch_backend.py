@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from .._pairs import PairList, Pairs, pair_list
 from ..head import PairParts, concat_parts, swiglu, swiglu_grad
 from . import env_flag, env_mb, on_device
+from .pair_loss_op import no_double_backward
 
 # Bytes of a chunk's pair sums and logits. On a GPU: 256 MB (52k pairs of a TextHead with h=512 at
 # V=1000 in bf16, 23k of the SwiGLU head at m=512); BST_FAST_TORCH_CHUNK_MB changes it. On the CPU
@@ -348,27 +349,32 @@ class _ChunkedLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
+        wscale = float(pl.wscale)  # the stream is idle here: pair_list read its chunk table
 
-        def pair_value(k, what, chunk, gs):  # a part's per-pair value, in the graph if it needs a gradient
+        def pair_value(k, what, chunk, back):  # a part's per-pair value, in the graph if it needs a gradient
             if grads[k] is None:
                 return ops.gather(k, chunk, what)
-            return _PairSum.apply(token, ops, k, chunk, 1.0 / gs, what)
+            return _PairSum.apply(token, ops, k, chunk, back, what)
 
         for chunk in pl.chunks:
             s0, n = chunk[:2]
-            # float16 parameter gradients are sums over the chunk's pairs of O(1) per-pair terms
-            # (the weights are normalised): scaled by 1/sqrt(n) they neither overflow 65504 nor
-            # fall to subnormals; the float32 accumulators multiply it back. Terms far above O(1)
-            # (head activations in the hundreds at n ~ 30k pairs) still overflow where the
+            # The cross-entropy writes each pair's gradient times gs, the accumulators add the
+            # chunk's gradients times back: gs * back = wscale, the pair weights' common scale.
+            # bfloat16 and wider take the true weights (gs = wscale), as the materialised run
+            # does: a 16-bit parameter gradient is then rounded once per chunk, not again after a
+            # rescaling. float16 would underflow (1/|P| per pair): its parameter gradients are sums
+            # over the chunk's pairs of O(1) per-pair terms (the weights are normalised), scaled
+            # by 1/sqrt(n) they neither overflow 65504 nor fall to subnormals. Terms far above
+            # O(1) (head activations in the hundreds at n ~ 30k pairs) still overflow where the
             # materialised run, scaled by 1/|P|, does not: smaller chunks or bf16 avoid it.
-            gs = n ** -0.5 if fp16 else 1.0
+            gs, back = (n ** -0.5, wscale * n ** 0.5) if fp16 else (wscale, 1.0)
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
                 first = token.view(()).grad_fn._sequence_nr() if backprop else None
-                xs = [pair_value(k, "sum", chunk, gs) if k not in swiglu_parts
-                      else pair_value(k, "swiglu", chunk, gs) if fused
-                      else swiglu(pair_value(k, "gate", chunk, gs), pair_value(k, "up", chunk, gs))
+                xs = [pair_value(k, "sum", chunk, back) if k not in swiglu_parts
+                      else pair_value(k, "swiglu", chunk, back) if fused
+                      else swiglu(pair_value(k, "gate", chunk, back), pair_value(k, "up", chunk, back))
                       for k in range(n_parts)]
                 logits = (_compiled_tail() if COMPILE else _call_tail)(tail, xs)
                 del xs
@@ -399,12 +405,11 @@ class _ChunkedLoss(torch.autograd.Function):
                 if g is not None:
                     if grad_params[k] is None:
                         grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
-                    grad_params[k].add_(g, alpha=1.0 / gs)
-        wscale = pl.wscale
-        loss = loss * wscale
-        it = iter(g if g is None else g.mul_(wscale) for g in grad_params)
+                    grad_params[k].add_(g, alpha=back)
+        loss = loss * pl.wscale
+        it = iter(grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used per pair
-        halves = [(None, None) if g is None else g.mul_(wscale).split(BL) for g in grads]
+        halves = [(None, None) if g is None else g.split(BL) for g in grads]
         grad_prefix = [h[0] if n else None for h, n in zip(halves, need[:n_parts])]
         grad_suffix = [h[1] if n else None for h, n in zip(halves, need[n_parts : 2 * n_parts])]
         ctx.save_for_backward(*grad_prefix, *grad_suffix, *grad_params)
@@ -413,6 +418,7 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        no_double_backward("torch")
         out = [None if g is None else (grad_loss * g).to(dt).reshape(shape)
                for g, (shape, dt) in zip(ctx.saved_tensors, ctx.shapes)]
         return (None,) * 9 + tuple(out)

@@ -150,7 +150,7 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     return loss, dA, dB, dW, dc
 
 
-pair_loss_op.register("bst_fast::triton_pair_loss")
+pair_loss_op.register("bst_fast::triton_pair_loss", "triton")
 
 
 def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=None):
