@@ -206,7 +206,6 @@ def cmd_generate(args):
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
     goal = codec.encode(args.suffix) if args.suffix else []
-    horizon = args.horizon if args.horizon is not None else (cfg.star_path_len if star else 32)
     search = args.search or ("plan" if goal or args.rollouts is not None else "greedy")
     bst = cfg.method == "bst"
     if search == "plan" and not bst:
@@ -218,13 +217,15 @@ def cmd_generate(args):
         if prompt[-1] != codec.tok.answer_id:
             raise ValueError("a FIM star-graph prefix must end with '='")
         prompt, goal = prompt[:-1] + [codec.tok.edge_sep_id] + goal + [prompt[-1]], []
+    # star graphs: the rest of the path, which a goal (its last nodes) ends
+    horizon = args.horizon if args.horizon is not None else (max(cfg.star_path_len - len(goal), 0) if star else 32)
     score = None
     if cfg.method == "teacherless":
         if search != "greedy":
             raise ValueError("a teacherless model decodes in one pass: use --search greedy")
         new = model.generate(torch.tensor([prompt]), horizon)[0].tolist()
     elif search == "plan":
-        result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=args.rollouts or 120, eos_id=codec.eos_id)
+        result = decode.plan(model, prompt, goal, horizon=horizon, rollouts=120 if args.rollouts is None else args.rollouts, eos_id=codec.eos_id)
         new = result.best[len(prompt):len(result.best) - len(goal)].tolist()
         score = float(result.scores.max())
     elif search == "beam":

@@ -35,6 +35,26 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _check_int(name, value, lowest):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+
+
+def _check_ids(model, **named):
+    """Each named argument (a prompt, a goal, eos_id; None skipped) holds integer token ids of the
+    model's vocabulary (known from its cfg; else only >= 0 is checked)."""
+    V = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    for name, x in named.items():
+        t = None if x is None else torch.as_tensor(x)
+        if t is None or t.numel() == 0:
+            continue
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"{name} must hold integer token ids, got {t.dtype}")
+        if (int(t.min()) < 0 or V is not None and int(t.max()) >= V):
+            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+            raise ValueError(f"{name} must hold token ids in 0..{'' if V is None else V - 1}, got {bad}")
+
+
 class _Cache:
     """A KV-cached causal Encoder: read a prompt once, then one token per row at a time."""
 
@@ -154,9 +174,17 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
            top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None):
     """(B, P) prompts -> (B, n_new) tokens, KV-cached. temperature=0 is greedy; top_k keeps the k
     most likely tokens before sampling. A BST reads the goal as suffix (default: the empty suffix)."""
+    _check_ids(model, prefix=prefix, goal=goal, eos_id=eos_id)
     prefix = torch.as_tensor(prefix, dtype=torch.long)
     if prefix.dim() == 1:
         prefix = prefix[None]
+    if prefix.dim() != 2 or prefix.numel() == 0:
+        raise ValueError(f"prefix must be a non-empty (P,) or (B, P) sequence of ids, got shape {tuple(prefix.shape)}")
+    _check_int("n_new", n_new, 0)
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(model, nn.Module):
         _check_room(model, prefix.shape[1] + n_new - 1)  # the last new token is never read
     search = searcher(model, eos_id)
@@ -200,7 +228,14 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     unknown-goal score (the Prev head over the last `score_last` tokens, default `horizon`).
     Ties in priority pop in push order, and one step pushes its tokens in vocabulary order.
     """
+    _check_ids(model, prompt=prompt, goal=goal, eos_id=eos_id)
     prompt, goal = _ids(prompt).tolist(), _ids(goal).tolist()
+    if not prompt:
+        raise ValueError("prompt must hold at least one token (BOS)")
+    _check_int("horizon", horizon, 0)
+    _check_int("rollouts", rollouts, 1)
+    if score_last is not None:
+        _check_int("score_last", score_last, 1)
     if isinstance(model, nn.Module):
         _check_room(model, len(prompt) + horizon + len(goal) + 1)
     search = searcher(model, eos_id)
@@ -253,7 +288,12 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
     depth, scored by the product of Next-head probabilities (a BST reads the goal as suffix; a FIM
     model gets the goal inside its prompt). Returns (sequences (n, n_new), log-probs (n,)), best first.
     """
+    _check_ids(model, prompt=prompt, goal=goal, eos_id=eos_id)
     prompt = _ids(prompt)
+    if len(prompt) == 0:
+        raise ValueError("prompt must hold at least one token (BOS)")
+    _check_int("n_new", n_new, 0)
+    _check_int("beams", beams, 1)
     if isinstance(model, nn.Module):
         _check_room(model, len(prompt) + n_new + len(_ids(goal)) + 1)
     search = searcher(model, eos_id)

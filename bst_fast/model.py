@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head import ResidualSwiGLUHead, TextHead
+from .head import ACTIVATIONS, ResidualSwiGLUHead, TextHead
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -31,6 +31,37 @@ class ModelConfig:
     head_tie_embedding: bool = False  # swiglu: its lm_head shares the forward encoder's token embedding
     gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
     backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
+
+    def check(self, prefix: str = "model."):
+        """Raise a ValueError naming the first field out of range (`prefix` + its name); the head's
+        fields are checked whichever head (and method) uses them, so no value is silently ignored."""
+        def bad(name, want):
+            raise ValueError(f"config field {prefix + name!r} must be {want}, got {getattr(self, name)!r}")
+
+        for name in ("vocab_size", "max_len", "d_model", "n_head", "head_layers"):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if self.n_layer < 0:
+            bad("n_layer", ">= 0")
+        if self.d_model % self.n_head:
+            bad("n_head", f"a divisor of d_model ({self.d_model})")
+        if not self.mlp_ratio > 0:
+            bad("mlp_ratio", "> 0")
+        if not 0.0 <= self.dropout < 1.0:
+            bad("dropout", "in [0, 1)")
+        if self.head_type not in HEAD_TYPES:
+            bad("head_type", f"one of {HEAD_TYPES}")
+        if self.head_layers < 2:
+            bad("head_layers", ">= 2 (the first layer splits into prefix and suffix parts)")
+        widths = [self.head_hidden] if isinstance(self.head_hidden, int) else list(self.head_hidden)
+        if not widths or any(w < 1 for w in widths) or (not isinstance(self.head_hidden, int)
+                                                        and len(widths) != self.head_layers - 1):
+            bad("head_hidden", f"a positive int or a list of head_layers - 1 = {self.head_layers - 1} positive ints")
+        if self.head_activation not in ACTIVATIONS:
+            bad("head_activation", f"one of {ACTIVATIONS}")
+        if self.head_tie_embedding and self.head_type != "swiglu":
+            bad("head_tie_embedding", "false unless head_type is 'swiglu' (a TextHead has no lm_head to tie)")
+        return self
 
 
 class Block(nn.Module):
@@ -136,18 +167,13 @@ class BeliefStateTransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg.check()
         shared = cfg.shared_encoders and cfg.backward_encoder
         self.forward_encoder = Encoder(cfg, segments=2 if shared else 0)
         self.backward_encoder = Encoder(cfg) if cfg.backward_encoder and not shared else None
         # Without a backward encoder the head still sees [f ; b], with b a learned constant: it keeps
         # both heads and every pair, but no suffix information reaches them.
         self.suffix_constant = None if cfg.backward_encoder else nn.Parameter(torch.zeros(cfg.d_model))
-        if cfg.head_type not in HEAD_TYPES:
-            raise ValueError(f"config field 'model.head_type' must be one of {HEAD_TYPES}, got {cfg.head_type!r}")
-        if cfg.head_tie_embedding and cfg.head_type != "swiglu":
-            raise ValueError("config field 'model.head_tie_embedding' needs model.head_type 'swiglu' "
-                             "(a TextHead has no lm_head to tie)")
         if cfg.head_type == "swiglu":
             self.head = ResidualSwiGLUHead(cfg.d_model, cfg.vocab_size)
         else:
@@ -218,7 +244,7 @@ class ForwardOnly(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg.check()
         self.forward_encoder = Encoder(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         _init_weights(self)

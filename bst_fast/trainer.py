@@ -130,6 +130,7 @@ class TrainConfig:
 
         if self.backend not in BACKENDS:
             bad("backend", f"one of {BACKENDS}")
+        self.model.check()
         return self
 
 
@@ -249,6 +250,7 @@ class _StarTask:
         self.stream = None if cfg.n_train else StarGraphStream(
             cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
         self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
+        self.save = lambda out_dir: None  # nothing of the data to write
         self.prefix_start = self.data.prefix_start
         self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
         l = self.data.path_len
@@ -313,19 +315,25 @@ class _StarTask:
 class _TextTask:
     """BPE-tokenised text batches and held-out loss."""
 
-    def __init__(self, cfg: TrainConfig):
-        from .data import TextData, load_tokenizer, save_tokenizer, train_bpe
+    def __init__(self, cfg: TrainConfig, resume: bool):
+        from .data import TextData, load_tokenizer, train_bpe
 
+        # A resumed run reads the tokenizer its checkpoints were trained with; a new one trains its
+        # own, written by save() once the run is known to start (a failed start leaves no file).
         path = Path(cfg.out_dir) / "tokenizer.json"
-        if path.exists():
-            tokenizer = load_tokenizer(path)
-        else:
-            tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_tokenizer(tokenizer, path)
-        self.data = TextData(cfg.data, tokenizer, cfg.max_len, seed=cfg.seed)
-        self.vocab_size, self.max_len, self.prefix_start = tokenizer.get_vocab_size(), cfg.max_len, 0
+        if resume and not path.exists():
+            raise ValueError(f"--resume: {path} is missing (the run's tokenizer, which its checkpoints need)")
+        self.tokenizer = load_tokenizer(path) if resume else train_bpe(cfg.data, vocab_size=cfg.text_vocab)
+        self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed)
+        self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
         self.seed, self.cfg = cfg.seed, cfg
+
+    def save(self, out_dir: Path):
+        from .data import save_tokenizer
+
+        path = out_dir / "tokenizer.json"
+        if not path.exists():
+            _atomic_write(path, lambda p: save_tokenizer(self.tokenizer, p))
 
     def batch(self, step, batch_size):
         return (*self.data.batch(step, batch_size, self.seed), None)
@@ -373,8 +381,10 @@ def _unshared(state):
     return out
 
 
-def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int):
+def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int, log=None):
     """out_dir/checkpoints/step-N/{model.safetensors, state.pt, config.json}, then `latest` names it.
+    `log`: the logging interval still open at `step` (each rank's loss sum and the steps in it), when
+    the run stops between two logged steps.
 
     The folder is written under a temporary name and renamed, and `latest` is replaced atomically,
     so a kill at any moment leaves the previous checkpoint as the latest complete one."""
@@ -387,7 +397,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     tmp.mkdir(parents=True)
     save_file(_unshared(model.state_dict()), str(tmp / "model.safetensors"))
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state()}, tmp / "state.pt")
+                "rng": torch.get_rng_state(), "log": log}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
         _fsync(path)
@@ -410,7 +420,9 @@ def latest_checkpoint(out_dir) -> Optional[Path]:
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
-    """Loads weights (and optimizer, scheduler, RNG); a corrupt or mismatched checkpoint raises ValueError."""
+    """Loads weights (and optimizer, scheduler, RNG); a corrupt or mismatched checkpoint raises
+    ValueError. Returns the training state: {"step": N, "log": the open logging interval or None}
+    ({"step": 0} without an optimizer)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -424,6 +436,16 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     if missing or extra or shapes:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                          f"unexpected {extra[:5]}, shape mismatch {[(k, tuple(weights[k].shape), tuple(own[k].shape)) for k in shapes[:5]]}")
+    # Names of one tied tensor (the SwiGLU head's lm_head and the token embedding) must be saved
+    # equal: loading writes them all into one Parameter, and the last one would silently win.
+    tied = {}
+    for k, v in own.items():
+        if v.numel():
+            tied.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), v.shape), []).append(k)
+    for names in tied.values():
+        if any(not torch.equal(weights[names[0]], weights[k]) for k in names[1:]):
+            raise ValueError(f"checkpoint {path} holds different values for {names}, which this model ties into "
+                             f"one tensor: it was not trained with the tie (model.head_tie_embedding)")
     model.load_state_dict(weights)
     state = {"step": 0}
     if optimizer is not None:
@@ -434,7 +456,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
             torch.set_rng_state(state["rng"])
         except Exception as e:
             raise ValueError(f"checkpoint {path} has a corrupt or mismatched state.pt: {e}") from e
-    return state["step"]
+    return state
 
 
 def load_model(path, device="cpu"):
@@ -453,8 +475,8 @@ def load_model(path, device="cpu"):
 
 # ---------------------------------------------------------------- training
 
-def build_task(cfg: TrainConfig):
-    task = _StarTask(cfg) if cfg.data == "star" else _TextTask(cfg)
+def build_task(cfg: TrainConfig, resume: bool = False):
+    task = _StarTask(cfg) if cfg.data == "star" else _TextTask(cfg, resume)
     # teacherless: one extra id, the dummy answer token
     cfg.model.vocab_size = task.vocab_size + (cfg.method == "teacherless")
     cfg.model.max_len = task.max_len
@@ -534,24 +556,20 @@ RESUMABLE_CHANGES = ("steps", "n_test", "eval_every", "ckpt_every", "keep_checkp
                      "progress", "device", "compile", "out_dir", "backend")
 
 
-def _prepare_out_dir(out_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool, rank: int, world: int):
-    """A new run refuses a folder holding another run unless told to overwrite it; a resumed run
-    must keep every training field of the checkpoint's config."""
+def _check_out_dir(out_dir: Path, resume: bool, overwrite: bool):
+    """(the checkpoint to resume from or None, the paths an overwrite will delete). A new run
+    refuses a folder holding another run unless told to overwrite it. Nothing is changed here: the
+    caller deletes only once the whole config has been checked and the model built."""
     if resume:
         ckpt = latest_checkpoint(out_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
-        return ckpt
+        return ckpt, []
     held = [out_dir / n for n in ("checkpoints", "metrics.csv", "tensorboard", "tokenizer.json") if (out_dir / n).exists()]
     if held and not overwrite:
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(p.name for p in held)}): "
                          f"resume it (--resume), start over in it (--overwrite) or choose another out_dir")
-    if held and rank == 0:
-        for path in held:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if world > 1:
-        dist.barrier()
-    return None
+    return None, held
 
 
 def _check_resumable(ckpt: Path, cfg: TrainConfig):
@@ -600,13 +618,26 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
     if cfg.batch_size % world:
         raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world})")
 
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
+
     out_dir = Path(cfg.out_dir)
-    ckpt = _prepare_out_dir(out_dir, cfg, resume, overwrite, rank, world)
+    ckpt, held = _check_out_dir(out_dir, resume, overwrite)
     torch.manual_seed(cfg.seed)
-    task = build_task(cfg)
+    task = build_task(cfg, resume)
     if ckpt is not None:
         _check_resumable(ckpt, cfg)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg)
+    task.batch(0, cfg.batch_size)  # the data's own checks (enough rows for a batch); batches are pure in the step
+    # Every check has passed (config, data, model): only now is an overwritten run deleted.
+    if rank == 0:
+        for path in held:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        task.save(out_dir)
+    if world > 1:
+        dist.barrier()
+    model = model.to(device)
     if cfg.compile:
         # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
         model.forward_encoder.compile()
@@ -614,10 +645,14 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
             model.backward_encoder.compile()
     optimizer = _optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    start = 0 if ckpt is None else load_checkpoint(ckpt, model, optimizer, scheduler)
+    state = {"step": 0} if ckpt is None else load_checkpoint(ckpt, model, optimizer, scheduler)
+    start, open_log = state["step"], state.get("log")
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    if start >= end:
+        raise ValueError(f"nothing to train: the checkpoint {ckpt} is at step {start}, and this call stops at "
+                         f"{'steps' if stop_at is None or stop_at >= cfg.steps else 'stop_at'} = {end}; "
+                         f"raise steps (a resumable change) to continue the run")
     ddp = DistributedDataParallel(model) if world > 1 else model
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
     metrics = _Metrics(out_dir, rank == 0)
     metrics.truncate(start)  # rows logged after the checkpoint we resume from are replayed
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
@@ -629,8 +664,14 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
     result: Dict[str, float] = {}
     last_good = latest_checkpoint(out_dir) if rank == 0 else None
-    t0, tokens_seen, pairs_seen, loss_sum, n_sum = time.perf_counter(), 0, 0, torch.zeros((), device=device), 0
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    # The mean loss of a logging interval: its sum and steps (an interval a stop_at left open comes
+    # back from the checkpoint, so the row that closes it is the uninterrupted run's); the rates.
+    loss_sum, n_sum = torch.zeros((), device=device), 0
+    if open_log:
+        sums, n_sum = open_log["loss_sum"], open_log["n"]
+        # per rank; under another number of ranks rank 0 carries their total, which averages the same
+        loss_sum.fill_(sums[rank] if len(sums) == world else (sum(sums) * world / len(sums) if rank == 0 else 0.0))
+    t0, tokens_seen, pairs_seen, n_timed = time.perf_counter(), 0, 0, 0
     for step in range(start, end):
         # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
@@ -655,13 +696,17 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         scheduler.step()
         loss_sum += loss.detach().float()
         n_sum += 1
+        n_timed += 1
         tokens_seen += int(tokens.numel())
         pairs_seen += pair_total * (cfg.pairs or 1.0) if cfg.method == "bst" else 0
         done = step + 1
-        boundary = done % cfg.log_every == 0 or done == end
         eval_now = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
-        ckpt_now = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
-        if boundary or eval_now or ckpt_now:
+        ckpt_now = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+        logged = done % cfg.log_every == 0 or eval_now or ckpt_now  # a function of the step alone
+        # stop_at between logged steps: no row (an uninterrupted run has none there); the call
+        # returns the open interval's figures and its checkpoint keeps them for the resumed call
+        stopping = done == end and not logged
+        if logged or stopping:
             mean_loss = float(loss_sum) / n_sum  # the one host sync of a logging interval
             if world > 1:
                 t = torch.tensor([mean_loss], device=device)
@@ -674,19 +719,29 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
                                    f"the last good checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
             dt = time.perf_counter() - t0
             row = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen * world / dt,
-                   "pairs_per_s": pairs_seen * world / dt, "steps_per_s": n_sum / dt}
+                   "pairs_per_s": pairs_seen * world / dt, "steps_per_s": n_timed / dt}
             result.update(row)
             if eval_now and rank == 0:
                 row.update(task.evaluate(model, device))
                 result.update(row)
-            metrics.log(done, row)
             if bar is not None:
                 bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k != "lr"}, refresh=False)
-                bar.update(n_sum)
-            t0, tokens_seen, pairs_seen, n_sum = time.perf_counter(), 0, 0, 0
-            loss_sum.zero_()
-        if ckpt_now and rank == 0:
-            last_good = save_checkpoint(out_dir, done, model, optimizer, scheduler, cfg, cfg.keep_checkpoints)
+                bar.update(n_timed)
+            t0, tokens_seen, pairs_seen, n_timed = time.perf_counter(), 0, 0, 0
+            if logged:
+                metrics.log(done, row)
+                n_sum = 0
+                loss_sum.zero_()
+        if ckpt_now or done == end:
+            open_log = None
+            if stopping:  # every rank's share of the open interval's loss
+                sums = [loss_sum.clone() for _ in range(world)]
+                if world > 1:
+                    dist.all_gather(sums, loss_sum)
+                open_log = {"loss_sum": [float(s) for s in sums], "n": n_sum}
+            if rank == 0:
+                last_good = save_checkpoint(out_dir, done, model, optimizer, scheduler, cfg, cfg.keep_checkpoints,
+                                            log=open_log)
     if bar is not None:
         bar.close()
     if world > 1:

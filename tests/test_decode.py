@@ -126,6 +126,30 @@ def test_cached_decoding_equals_full_reencoding(kind):
             decode.sample(model, torch.tensor([prompt]), 10, EOS, temperature=0)[0].tolist()
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda m: decode.sample(m, [0, 1], 2, EOS, top_k=0), "top_k"),
+    (lambda m: decode.sample(m, [0, 1], 2, EOS, top_k=-1), "top_k"),
+    (lambda m: decode.sample(m, [0, 1], 2, EOS, temperature=-1.0), "temperature"),
+    (lambda m: decode.sample(m, [0, 1], 2, EOS, temperature=float("nan")), "temperature"),
+    (lambda m: decode.sample(m, [0, 1], -1, EOS), "n_new"),
+    (lambda m: decode.sample(m, [], 2, EOS), "prefix"),
+    (lambda m: decode.sample(m, [0, 7], 2, EOS), "prefix"),
+    (lambda m: decode.sample(m, [0, 1], 2, 9), "eos_id"),
+    (lambda m: decode.plan(m, [0, 1], [2], horizon=2, rollouts=0, eos_id=EOS), "rollouts"),
+    (lambda m: decode.plan(m, [0, 1], [2], horizon=-1, eos_id=EOS), "horizon"),
+    (lambda m: decode.plan(m, [], [2], horizon=2, eos_id=EOS), "prompt"),
+    (lambda m: decode.plan(m, [0, 1], [5], horizon=2, eos_id=EOS), "goal"),
+    (lambda m: decode.plan(m, [0, 1], [1.5], horizon=2, eos_id=EOS), "goal"),
+    (lambda m: decode.plan(m, [0, 1], (), horizon=2, eos_id=EOS, score_last=0), "score_last"),
+    (lambda m: decode.beam_search(m, [0, 1], 2, beams=0, eos_id=EOS), "beams"),
+    (lambda m: decode.beam_search(m, [0, 1], -2, eos_id=EOS), "n_new"),
+    (lambda m: decode.beam_search(m, [0, -1], 2, eos_id=EOS), "prompt"),
+])
+def test_bad_decoding_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call(tiny_bst())
+
+
 def test_top_k_sampling_stays_in_top_k():
     model = tiny_bst()
     gen = torch.Generator().manual_seed(0)
@@ -300,6 +324,9 @@ def test_generate_cli_star(star_ckpt, capsys):
                  "--rollouts", "3", "--horizon", "2"]) == 0
     out = capsys.readouterr().out
     assert "suffix:    4" in out and "search: plan" in out
+    # the default horizon with a goal: the path's nodes before it (star_path_len 3, goal 4: 2 nodes)
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, "--suffix", "4", "--rollouts", "3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()[1].split()) == 1 + 2
 
 
 def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
@@ -309,6 +336,12 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
     assert "'banana' is out of the star-graph vocabulary" in capsys.readouterr().err
     assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", "0 99 ="]) == 2
     assert "'99' is out of the star-graph vocabulary" in capsys.readouterr().err
+    prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
+    for flags, name in ((["--rollouts", "0"], "rollouts"), (["--search", "beam", "--beams", "0"], "beams"),
+                        (["--search", "sample", "--top-k", "0"], "top_k"),
+                        (["--search", "sample", "--temperature", "-1"], "temperature")):
+        assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, *flags]) == 2, flags
+        assert name in capsys.readouterr().err
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")

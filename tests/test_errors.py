@@ -396,3 +396,15 @@ def test_ops_extreme_integers_do_not_crash(case):
     out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"{case}: exit code {proc.returncode}: {proc.stderr[-2000:]}"
     assert out.startswith("RuntimeError") if must_raise else out == "OK", out
+
+
+def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch):
+    """The head decides first: 'cpp' would not take a ResidualSwiGLUHead either, so backend='triton'
+    on the CPU points to 'torch', not to 'cpp'."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    f = torch.randn(1, 6, 4)
+    tokens = torch.randint(0, 5, (1, 6))
+    with pytest.raises(ValueError, match="backend='torch' for ResidualSwiGLUHead"):
+        belief_state_loss(f, f, tokens, ResidualSwiGLUHead(4, 5), backend="triton")
+    with pytest.raises(ValueError, match="use backend='cpp' on the CPU"):
+        belief_state_loss(f, f, tokens, make_head(4, 5, hidden=4), backend="triton")

@@ -129,6 +129,14 @@ def test_malformed_config_names_the_field(bad, field):
 
 @pytest.mark.parametrize("bad, field", [
     ({"method": "gpt"}, "method"), ({"pairs": 1.5}, "pairs"), ({"steps": 0}, "steps"), ({"min_lr": 1.0}, "min_lr"),
+    ({"model": {"n_head": 0}}, "model.n_head"), ({"model": {"n_head": 3}}, "model.n_head"),
+    ({"model": {"dropout": 2.0}}, "model.dropout"), ({"model": {"mlp_ratio": -1.0}}, "model.mlp_ratio"),
+    ({"model": {"n_layer": -1}}, "model.n_layer"), ({"model": {"head_type": "swigl"}}, "model.head_type"),
+    # the head's fields are checked whichever head and method use them: none is silently ignored
+    ({"model": {"head_type": "swiglu", "head_hidden": -3}}, "model.head_hidden"),
+    ({"method": "forward", "model": {"head_activation": "nope"}}, "model.head_activation"),
+    ({"model": {"head_layers": 3, "head_hidden": [8]}}, "model.head_hidden"),
+    ({"model": {"head_tie_embedding": True}}, "model.head_tie_embedding"),
 ])
 def test_invalid_config_values_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"'{field}'"):
@@ -191,6 +199,67 @@ def test_out_dir_holding_a_run_needs_resume_or_overwrite(tmp_path):
         train(tiny(tmp_path))
     train(tiny(tmp_path, steps=4), overwrite=True)  # starts over: the old checkpoints are gone
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000004"]
+
+
+def test_a_failed_start_leaves_the_run_it_would_overwrite(tmp_path):
+    """Every check (config, data, model) runs before --overwrite deletes anything: a bad value
+    leaves the old run as it was, and a text run that failed to start leaves no tokenizer.json
+    that would block the corrected start."""
+    train(tiny(tmp_path))
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="'model.n_head'"):
+        train(tiny(tmp_path, model={"n_layer": 1, "d_model": 16, "n_head": 3}), overwrite=True)
+    with pytest.raises(ValueError, match="batch_size"):  # a data error, raised by the first batch
+        train(tiny(tmp_path, n_train=4), overwrite=True)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"doc {k} says the cat sat on the mat" for k in range(40)))
+    text = dict(data=str(corpus), text_vocab=280, max_len=16, steps=2)
+    with pytest.raises(ValueError, match="'model.head_type'"):
+        train(tiny(tmp_path / "text", **text, model={"head_type": "swigl"}))
+    assert not (tmp_path / "text" / "tokenizer.json").exists()
+    train(tiny(tmp_path / "text", **text, model={"n_layer": 1, "d_model": 16, "n_head": 2, "head_type": "swiglu"}))
+    assert (tmp_path / "text" / "tokenizer.json").exists()
+
+
+def test_stop_between_logged_steps_resumes_to_the_same_metrics(tmp_path):
+    """stop_at between two logged steps writes no row (an uninterrupted run has none there) and its
+    checkpoint keeps the open interval's loss: the resumed run's rows, and what train returns, are
+    the uninterrupted run's."""
+    kw = dict(steps=8, log_every=4, eval_every=4, ckpt_every=4)
+    full = train(tiny(tmp_path / "full", **kw))
+    part = train(tiny(tmp_path / "cut", **kw), stop_at=6)
+    logged4 = [float(line.split(",")[2]) for line in (tmp_path / "cut" / "metrics.csv").read_text().splitlines()[1:]
+               if line.startswith("4,loss,")]
+    assert part["loss"] != logged4[0]  # it returns the open interval's mean (steps 5 and 6), not step 4's
+    resumed = train(tiny(tmp_path / "cut", **kw), resume=True)
+
+    def rows(run):  # the rows that are functions of the run alone (not of the clock)
+        lines = (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
+        return [line for line in lines if line.split(",")[1] in ("loss", "lr", "path_accuracy")]
+    assert rows("full") == rows("cut") and [r.split(",")[0] for r in rows("full")].count("6") == 0
+    assert {k: full[k] for k in ("loss", "lr", "path_accuracy")} == {k: resumed[k] for k in ("loss", "lr", "path_accuracy")}
+
+
+def test_stop_at_and_a_finished_run_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="stop_at"):
+        train(tiny(tmp_path), stop_at=0)
+    train(tiny(tmp_path))
+    with pytest.raises(ValueError, match="nothing to train.*step 6.*raise steps"):
+        train(tiny(tmp_path), resume=True)
+    train(tiny(tmp_path, steps=7), resume=True)  # extending the run is allowed
+
+
+def test_a_tied_model_refuses_an_untied_checkpoint(tmp_path):
+    model = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_type": "swiglu"}
+    train(tiny(tmp_path, steps=2, model=model))
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model"]["head_tie_embedding"] = True
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="ties into one tensor"):
+        load_model(ckpt)
 
 
 def test_resume_refuses_a_changed_training_field(tmp_path):

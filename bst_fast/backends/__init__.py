@@ -68,8 +68,8 @@ def _fused(name):
 def _cpu(name):
     fused = _fused(name)
 
-    def unsupported(head, f):
-        if f.device.type != "cpu":
+    def unsupported(head, f):  # the head and dtype first: their advice ('torch') holds on any device
+        if f.device.type != "cpu" and fused(head, f) is None:
             return f"backend={name!r} runs on the CPU; use backend='triton' for {f.device.type} tensors"
         return fused(head, f)
     return unsupported
@@ -80,7 +80,7 @@ def _gpu(name):
 
     def unsupported(head, f):
         # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
-        if not f.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not f.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and fused(head, f) is None:
             return (f"backend={name!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
                     "use backend='cpp' on the CPU")
         return fused(head, f)
