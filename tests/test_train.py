@@ -49,15 +49,28 @@ def test_resume_is_bitwise_exact(tmp_path, method):
 @pytest.mark.parametrize("head_type,port", [("mlp", 29517), ("swiglu", 29518)])
 def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
     """Two DDP ranks give one process's parameters: the TextHead (cpp backend) and the official
-    SwiGLU head (the torch backend, whose gradients are computed in the loss's forward)."""
+    SwiGLU head (the torch backend, whose gradients are computed in the loss's forward). The DDP
+    run stops at step 5, between logged steps, and resumes: its step-6 loss row still averages
+    both ranks' steps 5 and 6 (each rank's share of the open interval is in the checkpoint)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     sets = ["--set", "ckpt_every=0", "--set", f"model.head_type={head_type}"]
     base = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY)] + sets
     subprocess.run(base + ["--set", f"out_dir={tmp_path / 'one'}"], check=True, env=env, capture_output=True)
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           "-m", "bst_fast", "train", "--config", str(TINY)] + sets + ["--set", f"out_dir={tmp_path / 'two'}"]
+    legs = tmp_path / "legs.py"
+    legs.write_text("import bst_fast, sys\n"
+                    f"kw = dict(ckpt_every=0, out_dir={str(tmp_path / 'two')!r}, **{{'model.head_type': {head_type!r}}})\n"
+                    f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
+                    f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n")
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(legs)]
     run = subprocess.run(ddp, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+
+    def loss_rows(run):
+        lines = (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
+        return {int(s): float(v) for s, k, v in (line.split(",") for line in lines) if k == "loss"}
+    one, two = loss_rows("one"), loss_rows("two")
+    assert sorted(one) == sorted(two) == [2, 3, 4, 6]
+    assert all(abs(one[s] - two[s]) <= 1e-5 * abs(one[s]) for s in one), (one, two)
     params = same_params(tmp_path / "one", tmp_path / "two")
     d = 16  # model.d_model of the tiny config
     for name, (x, y) in params.items():
