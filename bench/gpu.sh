@@ -8,6 +8,10 @@
 #   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests; fewer repeats
 #   STEPS="heads heads-variants check" bash bench/gpu.sh   # only the named steps (the names below)
 #
+# Through the device tool (at most 8 files come back, so the results travel as one archive):
+#   RESULTS_DIR=/tmp/r QUICK=1 STEPS="heads heads-512mb heads-variants profile-swiglu check" \
+#       bash bench/gpu.sh; tar czf $OUT/results.tgz -C /tmp/r .
+#
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -150,7 +150,7 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
                     search_steps=int(table[-1]).bit_length())
 
 
-def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
+def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None, L=None):
     """k[r] pairs of row r, uniform without replacement (docs/contract.md §5), drawn by the C++ sampler."""
     from .backends import cpp_backend  # noqa: F401  (the sampler op is registered with the extension)
 
@@ -158,9 +158,13 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     # the global RNG; the C++ sampler derives one stream per row from it.
     dev = generator.device if generator is not None else "cpu"
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
-    row, i, j = torch.ops.bst_fast.sample_pairs(
-        lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed
-    )
+    lengths_cpu = lengths.cpu()
+    if L is not None and lengths_cpu.numel() and int(lengths_cpu.max()) > L:
+        # prepare's own check is skipped under torch.compile (the pair-loss op repeats it), but the
+        # sampler runs first and its work grows with the lengths
+        r = int(lengths_cpu.argmax())
+        _fail(ValueError, f"lengths[{r}] must lie in [0, L={L}], got {int(lengths_cpu[r])}")
+    row, i, j = torch.ops.bst_fast.sample_pairs(lengths_cpu, prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed)
     return row.to(lengths.device), i.to(lengths.device), j.to(lengths.device)
 
 
@@ -289,9 +293,9 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     else:
         if pairs < 1:
             _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
-        k = torch.full_like(counts, pairs)
+        k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
-    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
+    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator, L)
     # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
     weight = counts[row].double() / k[row].double()
     if reduction == "mean":

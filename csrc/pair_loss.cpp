@@ -31,14 +31,27 @@ namespace {
 // handle subnormals ~100x slower, which made late training steps 10x slower. Each worker flushes
 // them to zero while it runs a tile (they are far below float32 rounding of anything summed here)
 // and restores the caller's mode afterwards.
+//
+// Only where no thread can be started meanwhile: a new thread copies its creator's mode and keeps
+// it for good, so a torch op inside the tile that first opens the intra-op pool (or opens it
+// anew after set_num_threads) would leave those workers flushing every later op's subnormals.
+// Inside a parallel region nested torch ops run inline; with one intra-op thread none is started.
+// A tile run inline by a caller with a larger pool (one tile, grain 2) is left unflushed.
 class FlushSubnormals {
  public:
 #if defined(__SSE__) || defined(__x86_64__)
-  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ | DAZ
-  ~FlushSubnormals() { _mm_setcsr(saved_); }
+  explicit FlushSubnormals(bool on) : on_(on), saved_(_mm_getcsr()) {
+    if (on_) _mm_setcsr(saved_ | 0x8040);  // FTZ | DAZ
+  }
+  ~FlushSubnormals() {
+    if (on_) _mm_setcsr(saved_);
+  }
 
  private:
+  bool on_;
   unsigned int saved_;
+#else
+  explicit FlushSubnormals(bool) {}
 #endif
 };
 
@@ -209,7 +222,13 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   TORCH_CHECK(listed == i_in.has_value() && listed == j_in.has_value(),
               "row, i and j must be given together");
   PairWalk walk;
+  TORCH_CHECK(at::isFloatingType(weight_in.scalar_type()), "weight must be floating point, got ",
+              weight_in.scalar_type());
   at::Tensor row, pi, pj, weight = weight_in.to(at::kDouble).contiguous();
+  for (const auto p : c10::irange(weight.numel())) {  // pair weights: scales of a mean, never of a sign
+    const double w = weight.data_ptr<double>()[p];
+    TORCH_CHECK(std::isfinite(w) && w >= 0, "weight[", p, "] must be finite and >= 0, got ", w);
+  }
   if (listed) {
     row = row_in->contiguous(), pi = i_in->contiguous(), pj = j_in->contiguous();
     for (const auto* t : {&row, &pi, &pj}) {
@@ -237,6 +256,10 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
                 weight.sizes());
     walk = all_pairs(len, prefix_start.data_ptr<int64_t>(), B, min_gap, max_gap);
   }
+  // As belief_state_loss says in eager mode (under torch.compile only this check runs): a mean
+  // over no pair is not 0.
+  TORCH_CHECK_VALUE(walk.total > 0, "the batch has no valid pair at all: every row is too short for min_gap, ",
+                    "prefix_start and lengths (or the pair list is empty)");
   for (const auto r : c10::irange(B)) {
     for (const auto t : c10::irange(len[r])) {
       const int64_t y = tok[r * L + t];
@@ -268,7 +291,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   const int64_t grain = n_tiles <= 1 ? 2 : 1;  // parallel_for runs inline when range < grain
   at::parallel_for(0, n_tiles, grain, [&](int64_t tile_begin, int64_t tile_end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd_in_worker;  // dispatch state is per thread
-    FlushSubnormals flush;
+    FlushSubnormals flush(at::in_parallel_region() || at::get_num_threads() == 1);
     const int tid = at::get_thread_num();
     Accum& s = acc.at(tid);
     if (need_grad && !s.dA.defined()) new_accum(s);

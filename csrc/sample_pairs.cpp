@@ -4,12 +4,17 @@
 // index of a pair counts pairs in (i, j) order, so scanning the chosen indices in order yields the
 // pairs sorted. Each row has its own generator seeded from (seed, row): the draw is reproducible and
 // independent of how rows are scheduled.
+//
+// Memory: the chosen set is a byte per pair (n bytes, a linear scan) while k is at least n / 64,
+// else a hash set of the k indices, sorted (8k bytes and k log k): a few pairs of a long row
+// (T = 32k holds 5e8 pairs) take kilobytes, not half a gigabyte. Both record the same draws.
 #include "bst_fast.h"
 
 #include <c10/util/irange.h>
 
 #include <algorithm>
 #include <random>
+#include <unordered_set>
 
 namespace bst_fast {
 namespace {
@@ -44,6 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
   std::vector<int64_t> out_r, out_i, out_j;
   std::vector<int64_t> first, first_i, first_j;  // per prefix of the row: flat index, i, first j
   std::vector<char> chosen;
+  std::unordered_set<int64_t> picked;
+  std::vector<int64_t> sorted;
   for (const auto r : c10::irange(B)) {
     TORCH_CHECK(len[r] >= 0, "lengths[", r, "] must be >= 0, got ", len[r]);
     TORCH_CHECK(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
@@ -57,14 +64,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
     TORCH_CHECK(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
     if (kk[r] == 0) continue;
     std::mt19937_64 gen(splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(static_cast<uint64_t>(r))));
-    chosen.assign(n, 0);
-    for (int64_t t = n - kk[r]; t < n; ++t) {
-      const int64_t v = std::uniform_int_distribution<int64_t>(0, t)(gen);
-      chosen[chosen[v] ? t : v] = 1;
+    sorted.clear();
+    if (kk[r] >= n / 64) {
+      chosen.assign(n, 0);
+      for (int64_t t = n - kk[r]; t < n; ++t) {
+        const int64_t v = std::uniform_int_distribution<int64_t>(0, t)(gen);
+        chosen[chosen[v] ? t : v] = 1;
+      }
+      for (int64_t p = 0; p < n; ++p) {
+        if (chosen[p]) sorted.push_back(p);
+      }
+    } else {
+      picked.clear();
+      picked.reserve(kk[r]);
+      for (int64_t t = n - kk[r]; t < n; ++t) {
+        const int64_t v = std::uniform_int_distribution<int64_t>(0, t)(gen);
+        picked.insert(picked.count(v) ? t : v);
+      }
+      sorted.assign(picked.begin(), picked.end());
+      std::sort(sorted.begin(), sorted.end());
     }
     int64_t s = 0;  // index into `first`: the prefix of the current flat index
-    for (int64_t p = 0; p < n; ++p) {
-      if (!chosen[p]) continue;
+    for (const int64_t p : sorted) {
       while (s + 1 < static_cast<int64_t>(first.size()) && first[s + 1] <= p) ++s;
       out_r.push_back(r);
       out_i.push_back(first_i[s]);

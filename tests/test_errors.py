@@ -347,7 +347,10 @@ EXTREME = {
     # The rest are valid arguments with a well-defined answer (a huge max_gap is no limit; a huge
     # prefix_start leaves the row no pair): the op must give it, not 0, a hang or a bad_alloc.
     "max_gap_int64_max": (f"out = call(max_gap={I64_MAX}); assert torch.allclose(out, reference), (out, reference)", False),
-    "min_and_max_gap_huge": (f"out = call(min_gap={I64_MAX - 1}, max_gap={I64_MAX}); assert out == 0, out", False),
+    # no pair at all: the ValueError belief_state_loss gives in eager mode (under torch.compile only
+    # the op checks), not a mean of 0 over nothing
+    "min_and_max_gap_huge": (f"import pytest\n            with pytest.raises(ValueError, match='no valid pair'):\n"
+                             f"                call(min_gap={I64_MAX - 1}, max_gap={I64_MAX})", False),
     "prefix_start_int64_max": (f"out = call(ps=torch.tensor([{I64_MAX}, 1])); want = call(ps=torch.tensor([9, 1])); "
                                "assert torch.allclose(out, want), (out, want)", False),
     "sample_max_gap_int64_max": (f"out = op.sample_pairs(lengths, ps, 2, {I64_MAX}, torch.tensor([3, 3]), 0); "
@@ -356,6 +359,13 @@ EXTREME = {
     "sample_prefix_start_int64_max": (f"out = op.sample_pairs(lengths, torch.tensor([{I64_MAX}, 1]), 2, 5, torch.tensor([0, 3]), 0); "
                                       "want = op.sample_pairs(lengths, torch.tensor([9, 1]), 2, 5, torch.tensor([0, 3]), 0); "
                                       "assert all(torch.equal(x, y) for x, y in zip(out, want)), (out, want)", False),
+    # a few pairs of a long row (5e9 pairs): memory for the k chosen, not a byte per pair
+    "sample_few_pairs_of_a_long_row": ("out = op.sample_pairs(torch.tensor([100000]), torch.tensor([0]), 2, 100000, "
+                                       "torch.tensor([3]), 0)\n"
+                                       "            r, i, j = out\n"
+                                       "            assert len(i) == 3 and bool((j - i >= 2).all()) and bool((j < 100000).all())\n"
+                                       "            assert (i * 100000 + j).unique().numel() == 3 and bool(((i * 100000 + j).diff() > 0).all())",
+                                       False),
     # The same through the public API, every CPU backend.
     "public_prefix_start_int64_max": (
         "from bst_fast import TextHead, belief_state_loss\n"
@@ -408,3 +418,44 @@ def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch
         belief_state_loss(f, f, tokens, ResidualSwiGLUHead(4, 5), backend="triton")
     with pytest.raises(ValueError, match="use backend='cpp' on the CPU"):
         belief_state_loss(f, f, tokens, make_head(4, 5, hidden=4), backend="triton")
+
+
+def test_lengths_are_checked_before_sampling():
+    """Under torch.compile belief_state_loss skips its own checks (the op repeats them), but the
+    sampler runs first and its work grows with the lengths: it checks them itself."""
+    from bst_fast import _pairs
+
+    lengths, zero = torch.tensor([10, 2**62]), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"lengths\[1\] must lie in \[0, L=10\]"):
+        _pairs.sample_pairs(lengths, zero, 2, 10, torch.tensor([1, 1]), L=10)
+
+
+def test_op_arguments_on_another_device_and_bad_weights_are_refused():
+    """One meta tensor among CPU ones dispatches to the shape-only kernel, whose outputs would be
+    uninitialised memory returned as a loss; a NaN or negative pair weight would make any loss."""
+    import bst_fast.backends.cpp_backend  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    A, Bm = torch.randn(2, 9, 5, generator=g), torch.randn(2, 9, 5, generator=g)
+    W, c = [torch.randn(8, 5, generator=g)], [torch.randn(8, generator=g)]
+    tok, lengths, ps = torch.randint(0, 4, (2, 9), generator=g), torch.tensor([9, 7]), torch.tensor([0, 1])
+
+    def call(tok=tok, weight=torch.tensor(1.0, dtype=torch.float64), listed=False):
+        pairs = (torch.tensor([0]), torch.tensor([1]), torch.tensor([4])) if listed else (None, None, None)
+        return torch.ops.bst_fast.pair_loss(A, Bm, W, c, tok, lengths, ps, 2, 8, *pairs, weight, 0.5, "gelu", True)
+
+    with pytest.raises(ValueError, match="A's device"):
+        call(tok=tok.to("meta"))
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(RuntimeError, match="weight"):
+            call(weight=torch.tensor([bad], dtype=torch.float64), listed=True)
+    with pytest.raises(RuntimeError, match="weight"):
+        call(weight=torch.tensor(float("nan"), dtype=torch.float64))
+
+
+def test_a_huge_count_per_row_is_every_pair():
+    """pairs=k takes min(k, |P_r|) pairs of row r: any k above the count is all of them, even past int64."""
+    f, b, tokens, head = make_inputs(B=2, L=8, m=4, V=5, seed=3)
+    want = belief_state_loss(f, b, tokens, head, backend="torch", pairs=10**6)
+    got = belief_state_loss(f, b, tokens, head, backend="torch", pairs=2**70)
+    torch.testing.assert_close(got, want)

@@ -184,3 +184,38 @@ def test_compile_op_directly_inductor():
 
     compiled = torch.compile(fn, fullgraph=True)
     assert torch.allclose(compiled(args[0], args[1]), fn(args[0], args[1]))
+
+
+_SUBNORMALS_AFTER = """
+import torch
+import bst_fast.backends.cpp_backend  # noqa: F401
+from bst_fast import belief_state_loss
+from bst_fast.head import TextHead
+torch.manual_seed(0)
+f, b, tok = torch.randn(2, 8, 3, requires_grad=True), torch.randn(2, 8, 3), torch.randint(0, 4, (2, 8))
+head = TextHead(3, 4, 5)
+if {big}:  # the op first in a fresh process, one tile run inline: its own ops open the intra-op pool
+    A, Bm, W = torch.randn(1, 4096, 16), torch.randn(1, 4096, 16), [torch.randn(8, 16)]  # (no op that opens it)
+    torch.ops.bst_fast.pair_loss(A, Bm, W, [torch.zeros(8)], torch.randint(0, 4, (1, 4096)), torch.tensor([10]),
+                                 torch.tensor([0]), 2, 4096, None, None, None, torch.tensor(1.0, dtype=torch.float64),
+                                 0.5, "gelu", True)
+else:  # one intra-op thread, then two: the second call's ops start the pool anew
+    torch.set_num_threads(1)
+    belief_state_loss(f, b, tok, head, backend="cpp").backward()
+    torch.set_num_threads(2)
+    belief_state_loss(f, b, tok, head, backend="cpp").backward()
+torch.set_num_threads(2)
+print(int((torch.full((100000,), 1e-40) * 1.0 == 0).sum()))  # split over two threads
+"""
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_flushing_subnormals_does_not_leak_into_torch_threads(big):
+    """The engine flushes subnormals inside its tiles; a pool thread started meanwhile would copy
+    the mode for good and flush every later op's subnormals (half of this product became 0)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SUBNORMALS_AFTER.format(big=big)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "0"

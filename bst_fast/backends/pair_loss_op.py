@@ -19,6 +19,12 @@ import torch
 
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
          row, i, j, weight, next_weight, activation, need_grad):
+    # Also the Meta kernel: one meta argument among real ones lands here, and the outputs, made on
+    # A's device, would be uninitialised memory returned as a loss. The ops take one device.
+    given = [A, Bm, *weights, *biases, tokens, lengths, prefix_start, weight] + [t for t in (row, i, j) if t is not None]
+    if any(t.device != A.device for t in given):
+        raise ValueError(f"every tensor argument must be on A's device ({A.device}), got "
+                         f"{sorted({str(t.device) for t in given})}")
     f32 = dict(dtype=torch.float32)
     if not need_grad:  # the op returns empty gradients then
         return (A.new_empty((), **f32), A.new_empty(0, **f32), A.new_empty(0, **f32),
