@@ -15,9 +15,28 @@ from pathlib import Path
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+def _is_text_field(key):
+    """Whether the config field `key` (dotted for the model's) holds a string: its --set value is
+    the text as written, so data=2024 or out_dir=on name a file, not a number or a bool."""
+    import dataclasses
+
+    from .trainer import TrainConfig, _default
+
+    cls = TrainConfig
+    *parents, leaf = key.split(".")
+    for name in parents:
+        field = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if field is None or not dataclasses.is_dataclass(_default(field)):
+            return False
+        cls = type(_default(field))
+    field = {f.name: f for f in dataclasses.fields(cls)}.get(leaf)
+    return field is not None and isinstance(_default(field), str)
+
+
 def _apply_sets(cfg, sets):
-    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work); the
-    same rules as bst_fast.train's keyword overrides (trainer.apply_overrides)."""
+    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work; a
+    string field takes the text as written); the same rules as bst_fast.train's keyword overrides
+    (trainer.apply_overrides)."""
     import yaml
 
     from .trainer import apply_overrides
@@ -27,11 +46,26 @@ def _apply_sets(cfg, sets):
         if "=" not in item:
             raise ValueError(f"--set takes key=value, got {item!r}")
         key, value = item.split("=", 1)
-        overrides.append((key.strip(), yaml.safe_load(value)))
+        key = key.strip()
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {key}: {value!r} is not a YAML value ({e})") from None
+        if _is_text_field(key) and not isinstance(parsed, str) and parsed is not None:
+            parsed = value.strip()
+        overrides.append((key, parsed))
     cfg = apply_overrides(cfg, {})  # a copy even without overrides
     for key, value in overrides:  # one at a time: --set may name a field twice, the last one wins
         cfg = apply_overrides(cfg, {key: value})
     return cfg
+
+
+def _positive(text):
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _load(args):
@@ -206,8 +240,9 @@ def cmd_generate(args):
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
     goal = codec.encode(args.suffix) if args.suffix else []
-    search = args.search or ("plan" if goal or args.rollouts is not None else "greedy")
     bst = cfg.method == "bst"
+    # a BST plans toward a goal; a FIM model reads it in its prompt and decodes greedily
+    search = args.search or ("plan" if (goal and bst) or args.rollouts is not None else "greedy")
     if search == "plan" and not bst:
         raise ValueError(f"planning needs a BST checkpoint; this one is '{cfg.method}' (use --search greedy, sample or beam)")
     if goal and not bst and cfg.method != "fim":
@@ -217,8 +252,10 @@ def cmd_generate(args):
         if prompt[-1] != codec.tok.answer_id:
             raise ValueError("a FIM star-graph prefix must end with '='")
         prompt, goal = prompt[:-1] + [codec.tok.edge_sep_id] + goal + [prompt[-1]], []
-    # star graphs: the rest of the path, which a goal (its last nodes) ends
-    horizon = args.horizon if args.horizon is not None else (max(cfg.star_path_len - len(goal), 0) if star else 32)
+    # star graphs: the rest of the path, which a goal (its last nodes) ends; text: 32 tokens, or
+    # what the model's positions leave after the prompt, the goal and EOS
+    default = cfg.star_path_len - len(goal) if star else min(32, cfg.model.max_len - len(prompt) - len(goal) - 1)
+    horizon = args.horizon if args.horizon is not None else max(default, 0)
     score = None
     if cfg.method == "teacherless":
         if search != "greedy":
@@ -297,16 +334,17 @@ def main(argv=None):
     p.add_argument("--search", choices=["greedy", "sample", "plan", "beam"],
                    help="default: plan with --suffix or --rollouts, else greedy")
     p.add_argument("--rollouts", type=int, help="planning roll-outs (default 120, the paper's)")
-    p.add_argument("--horizon", type=int, help="tokens to generate (default: the path length on star graphs, else 32)")
+    p.add_argument("--horizon", type=int, help="tokens to generate (default: the rest of the path on star graphs, "
+                   "else 32 or what max_len leaves)")
     p.add_argument("--beams", type=int, default=120, help="beam search width")
     p.add_argument("--temperature", type=float, default=1.0, help="--search sample")
     p.add_argument("--top-k", type=int, help="--search sample: keep the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="--search sample")
     p = sub.add_parser("probe", help="belief-state probes of star-graph checkpoints: accuracy per k")
     p.add_argument("--checkpoint", action="append", required=True, help="repeat for several models")
-    p.add_argument("--n-train", type=int, default=2000, help="probe training graphs")
-    p.add_argument("--n-test", type=int, default=500, help="probe test graphs")
-    p.add_argument("--steps", type=int, default=300, help="probe optimizer steps")
+    p.add_argument("--n-train", type=_positive, default=2000, help="probe training graphs")
+    p.add_argument("--n-test", type=_positive, default=500, help="probe test graphs")
+    p.add_argument("--steps", type=_positive, default=300, help="probe optimizer steps")
     args = ap.parse_args(argv)
     try:
         {"train": cmd_train, "star": cmd_star, "table": cmd_table, "generate": cmd_generate,

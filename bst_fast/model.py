@@ -45,8 +45,8 @@ class ModelConfig:
             bad("n_layer", ">= 0")
         if self.d_model % self.n_head:
             bad("n_head", f"a divisor of d_model ({self.d_model})")
-        if not self.mlp_ratio > 0:
-            bad("mlp_ratio", "> 0")
+        if not 0 < self.mlp_ratio < float("inf"):
+            bad("mlp_ratio", "a finite number > 0")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "in [0, 1)")
         if self.head_type not in HEAD_TYPES:

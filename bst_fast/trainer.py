@@ -83,12 +83,15 @@ class TrainConfig:
     def load(cls, path: Union[str, Path]) -> "TrainConfig":
         """A config from a .yaml/.yml or .json file."""
         text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
+        try:
+            if str(path).endswith((".yaml", ".yml")):
+                import yaml
 
-            d = yaml.safe_load(text) or {}
-        else:
-            d = json.loads(text)
+                d = yaml.safe_load(text) or {}
+            else:
+                d = json.loads(text)
+        except Exception as e:  # yaml's and json's parse errors alike
+            raise ValueError(f"config {path} is not valid {'YAML' if str(path).endswith(('.yaml', '.yml')) else 'JSON'}: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"config {path} must hold a mapping of fields, got {type(d).__name__}")
         return cls.from_dict(d)
@@ -122,8 +125,18 @@ class TrainConfig:
             bad("next_weight", "in [0, 1]")
         if not 0.0 <= self.gamma <= 1.0:
             bad("gamma", "in [0, 1]")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            bad("min_lr", f"in [0, lr={self.lr}] with lr > 0")
+        for name in ("lr", "min_lr", "grad_clip", "weight_decay", "beta1", "beta2", "augment_prob", "next_weight", "gamma"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "a finite number")
+        if not self.lr > 0:
+            bad("lr", "> 0")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"in [0, lr={self.lr}]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, "in [0, 1)")
+        if self.seed < 0:
+            bad("seed", ">= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "'auto', 'cpu' or 'cuda'")
         from .loss import BACKENDS
@@ -164,10 +177,20 @@ def _from_dict(cls, d, prefix):
             if not isinstance(value, Mapping):
                 raise ValueError(f"config field {name!r} must be a mapping, got {value!r}")
             value = _from_dict(type(default), value, name + ".")
-        elif default is not None and value is not None:
+        elif default is not None:
             want = type(default)
+            if value is None:  # only a field whose default is None takes null
+                raise ValueError(f"config field {name!r} must be {want.__name__}, got None")
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if want is float and isinstance(value, str):
+                # YAML 1.1 reads 3e-4 (no dot) as a string: a number written as text is the number
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)  # data: 2024 names a file or folder called 2024
             ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
             if key == "head_hidden" and isinstance(value, list):
                 ok = all(isinstance(v, int) for v in value)
@@ -349,7 +372,8 @@ class _TextTask:
                         generator=torch.Generator().manual_seed(k))
             losses.append(float(out["total"]))
         model.train(was)
-        return {"held_out_loss": sum(losses) / max(len(losses), 1)}
+        # no held-out rows (one document of one row, or held_out 0): no figure rather than a 0.0
+        return {"held_out_loss": sum(losses) / len(losses)} if losses else {}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -614,6 +638,9 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("config field 'device' is 'cuda', but this torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use 'auto' or 'cpu'")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if cfg.batch_size % world:
         raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world})")

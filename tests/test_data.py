@@ -278,3 +278,34 @@ def test_out_of_vocabulary_ids(tmp_path):
     ok = TextData.from_ids(rows[:2], vocab_size=50, max_len=4, held_out=0.0)
     tokens, lengths = ok.batch(0, ok.n_train, seed=0)
     assert sorted(lengths.tolist()) == [3, 4, 4]               # [3,4,5] -> two chunks, [6,7] one
+
+
+def test_text_that_spells_a_special_token_is_text(tmp_path):
+    """'<pad>', '<bos>', '<eos>' written in a document are its content, not special ids inside it."""
+    (tmp_path / "a.txt").write_text("use <pad> and <eos> tags in html like <bos>\n\nanother document here\n")
+    tok = train_bpe(tmp_path, 300)
+    data = TextData(tmp_path, tok, 64, held_out=0)
+    tokens, lengths = data.batch(0, 2, 0)
+    for row, n in zip(tokens, lengths):
+        inner = row[1 : int(n) - 1]
+        assert int(row[0]) == data.bos_id and int(row[int(n) - 1]) == data.eos_id
+        assert not any(int(t) in (data.pad_id, data.bos_id, data.eos_id) for t in inner)
+    text = "use <pad> and <eos> tags"
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    tok.save(str(tmp_path / "tok.json"))
+    again = load_tokenizer(tmp_path / "tok.json")  # the setting is not saved: loading sets it again
+    assert again.encode(text, add_special_tokens=False).ids == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_one_document_holds_out_its_last_rows(tmp_path):
+    """A corpus of one document (a book) still has held-out rows: its last ones, never trained on."""
+    g = torch.Generator().manual_seed(0)  # random words: no two rows alike
+    (tmp_path / "book.txt").write_text(" ".join(f"w{int(k)}" for k in torch.randint(0, 300, (3000,), generator=g)))
+    tok = train_bpe(tmp_path, 300)
+    data = TextData(tmp_path, tok, 32, held_out=0.1)
+    assert data.n_held_out >= 1 and data.n_train >= 1
+    train_rows = {tuple(r[: int(n)].tolist()) for r, n in zip(*data._train.gather(np.arange(data.n_train), 0))}
+    held_rows = [tuple(r[: int(n)].tolist()) for t, l in data.held_out_batches(64) for r, n in zip(t, l)]
+    assert len(held_rows) == data.n_held_out and not train_rows & set(held_rows)
+    single = TextData(tmp_path, tok, 10**6, held_out=0.1)  # one row in all: nothing to hold out
+    assert single.n_held_out == 0 and single.n_train == 1

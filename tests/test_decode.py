@@ -329,6 +329,17 @@ def test_generate_cli_star(star_ckpt, capsys):
     assert len(capsys.readouterr().out.splitlines()[1].split()) == 1 + 2
 
 
+def test_generate_cli_fim_reads_the_suffix_in_its_prompt(tmp_path, capsys):
+    """A FIM checkpoint takes --suffix into its prompt and decodes greedily by default (planning
+    is for a BST)."""
+    train(tiny(tmp_path, method="fim", steps=2, eval_every=2, ckpt_every=0))
+    prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", prefix, "--suffix", "4"]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "| 4 =" in out.splitlines()[0] and len(out.splitlines()[1].split()) == 1 + 3  # the whole path
+
+
 def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prefix", "0 ="]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -361,3 +372,5 @@ def test_generate_cli_text(tmp_path, capsys):
     assert main(args + ["--search", "beam", "--beams", "3", "--horizon", "3"]) == 0
     assert "search: beam" in capsys.readouterr().out
     assert main(args + ["--search", "sample", "--top-k", "5", "--horizon", "4"]) == 0
+    # without --horizon: 32 tokens would pass max_len 48 after a goal; the default leaves room
+    assert main(args + ["--suffix", " The end." * 4, "--rollouts", "2"]) == 0, capsys.readouterr().err

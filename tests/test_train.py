@@ -156,6 +156,27 @@ def test_invalid_config_values_name_the_field(bad, field):
         TrainConfig.from_dict(bad).check()
 
 
+def test_config_values_as_written_in_yaml(tmp_path, capsys):
+    """YAML 1.1 reads 3e-4 (no dot) as text and 2024 as a number: a float field takes the number,
+    a string field the text; null only where the default is None; bad YAML is a clean error."""
+    from bst_fast.__main__ import _apply_sets, main
+
+    cfg = _apply_sets(TrainConfig(), ["lr=3e-4", "data=2024", "out_dir=on", "pairs=null", "model.head_hidden=[8]"])
+    assert (cfg.lr, cfg.data, cfg.out_dir, cfg.pairs, cfg.model.head_hidden) == (3e-4, "2024", "on", None, [8])
+    (tmp_path / "c.yaml").write_text("lr: 3e-4\nmin_lr: 1E-5\n")
+    assert (TrainConfig.load(tmp_path / "c.yaml").lr, TrainConfig.load(tmp_path / "c.yaml").min_lr) == (3e-4, 1e-5)
+    for bad, field in (("steps=null", "steps"), ("out_dir=null", "out_dir"), ("lr=fast", "lr"), ("x=[1,", "x"),
+                       ("lr=.nan", "lr"), ("beta2=1.0", "beta2"), ("seed=-1", "seed")):
+        assert main(["train", "--config", str(TINY), "--set", bad]) == 2, bad
+        assert field in capsys.readouterr().err, bad
+    (tmp_path / "bad.yaml").write_text("steps: [1,\n")
+    assert main(["train", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["train", "--config", str(TINY), "--set", "device=cuda", "--set", f"out_dir={tmp_path / 'c'}"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
 def test_yaml_and_json_configs_load_the_same(tmp_path):
     cfg = TrainConfig.load(TINY)
     (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))

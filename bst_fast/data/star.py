@@ -136,7 +136,9 @@ class _Batches:
     """`batches` for any class with a pure `batch(step, batch_size, seed)`."""
 
     def batches(self, batch_size: int, seed: int | None = None, start_step: int = 0):
-        """Batches start_step, start_step + 1, ... forever (resume = pass the saved step)."""
+        """Batches start_step, start_step + 1, ... forever (resume = pass the saved step); seed
+        None: the data's own (a stream's seed, else 0)."""
+        seed = getattr(self, "seed", 0) if seed is None else seed
         step = int(start_step)
         while True:
             yield self.batch(step, batch_size, seed)
@@ -288,6 +290,8 @@ def _epoch_indices(owner, n: int, step: int, batch_size: int, seed: int) -> torc
 def _draw_rows(n: int, layout: StarLayout, entropy, exclude, unique: bool, what: str) -> np.ndarray:
     """n rows from one rng; drops rows whose key is in `exclude` (sorted) and, if `unique`,
     repeats; redraws until there are n."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {n!r}")
     rng = np.random.default_rng(entropy)
     rows, keys, have = [], [], 0
     seen = np.empty(0, dtype=np.uint64)

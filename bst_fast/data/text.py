@@ -27,7 +27,7 @@ def _text_files(paths) -> list[Path]:
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.rglob("*.txt"))
+            found = sorted(q for q in p.rglob("*") if q.suffix.lower() == ".txt" and q.is_file())
             if not found:
                 raise FileNotFoundError(f"no *.txt files under {p}")
             files += found
@@ -66,7 +66,7 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(read_documents(paths), trainer=trainer)
-    return tok
+    return _text_only(tok)
 
 
 def save_tokenizer(tokenizer, path) -> None:
@@ -78,7 +78,15 @@ def load_tokenizer(path):
     """Read a tokenizer written by save_tokenizer (or any HF tokenizer.json)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    return _text_only(Tokenizer.from_file(str(path)))
+
+
+def _text_only(tokenizer):
+    """The tokenizer set to encode '<pad>', '<bos>' or '<eos>' written in a text as that text:
+    otherwise HF tokenizers matches them in the input and a document would hold special ids (the
+    specials are added by id, never by text). The setting is not saved in tokenizer.json."""
+    tokenizer.encode_special_tokens = True
+    return tokenizer
 
 
 def load_ids(path) -> list[np.ndarray]:
@@ -112,6 +120,8 @@ def _as_rows(obj, source: str) -> list[np.ndarray]:
 
 
 def _check_vocab(rows: list[np.ndarray], vocab_size: int, source: str) -> None:
+    if not 1 <= vocab_size <= 2**31:  # the rows are stored as int32
+        raise ValueError(f"vocab_size must lie in [1, 2**31] (ids are stored as int32), got {vocab_size}")
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
     bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
@@ -157,6 +167,7 @@ class TextData(_Batches):
             if ids[name] is None:
                 raise ValueError(f"tokenizer has no {name} token (train it with train_bpe)")
         docs = read_documents(paths)
+        _text_only(tokenizer)
         encoded = [np.asarray(e.ids, dtype=np.int64)
                    for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
         self.tokenizer = tokenizer
@@ -180,8 +191,10 @@ class TextData(_Batches):
         for name, v in (("pad_id", pad_id), ("bos_id", bos_id), ("eos_id", eos_id)):
             if not 0 <= v < vocab_size:
                 raise ValueError(f"{name}={v} is outside the vocabulary 0..{vocab_size - 1}")
-        if max_len is None:
-            max_len = max((len(r) for r in rows), default=1) + 2
+        if len({pad_id, bos_id, eos_id}) != 3:
+            raise ValueError(f"pad_id, bos_id and eos_id must differ, got {pad_id}, {bos_id}, {eos_id}")
+        if max_len is None:  # (empty documents are dropped, and none left is an error, below)
+            max_len = max(max((len(r) for r in rows), default=0), 1) + 2
         self = cls.__new__(cls)
         self.tokenizer = None
         self._build(rows, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed)
@@ -197,18 +210,21 @@ class TextData(_Batches):
             raise ValueError("no documents (every input was empty)")
         self.vocab_size, self.max_len = int(vocab_size), int(max_len)
         self.pad_id, self.bos_id, self.eos_id = int(pad_id), int(bos_id), int(eos_id)
-        # split by document, seeded; at least one held-out document when asked for any
+        content = self.max_len - 2
+        rows = [[np.concatenate([[bos_id], doc[lo:lo + content], [eos_id]]) for lo in range(0, len(doc), content)]
+                for doc in docs]
+        if len(docs) == 1:  # one document (a book): its last rows are held out, none read twice
+            docs, rows = [None] * len(rows[0]), [[r] for r in rows[0]]
+            order = np.arange(len(rows))[::-1]
+        else:  # split by document, seeded
+            order = np.random.default_rng([seed, 0]).permutation(len(docs))
+        # at least one held-out document (row) when asked for any and there are two
         n_held = int(round(held_out * len(docs)))
         if held_out > 0 and len(docs) > 1:
             n_held = min(max(n_held, 1), len(docs) - 1)
-        perm = np.random.default_rng([seed, 0]).permutation(len(docs))
-        held = set(perm[:n_held].tolist())
-        train_rows, held_rows = [], []
-        content = self.max_len - 2
-        for k, doc in enumerate(docs):
-            dest = held_rows if k in held else train_rows
-            for lo in range(0, len(doc), content):
-                dest.append(np.concatenate([[bos_id], doc[lo:lo + content], [eos_id]]))
+        held = set(order[:n_held].tolist())
+        train_rows = [r for k, doc_rows in enumerate(rows) if k not in held for r in doc_rows]
+        held_rows = [r for k, doc_rows in enumerate(rows) if k in held for r in doc_rows]
         self._train, self._held = _Rows(train_rows), _Rows(held_rows)
         self._perm_cache = (None, None)
 
