@@ -10,6 +10,7 @@ The package exports `train` as `bst_fast.train`; this module is named `trainer` 
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import csv
 import dataclasses
@@ -636,6 +637,10 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        # Kept for later calls in this process (a group started anew under torchrun could hang in
+        # its rendezvous) and ended at exit: left to the interpreter's teardown, gloo aborted
+        # ("terminate called without an active exception") in about one run in fifteen.
+        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
     rank = dist.get_rank() if world > 1 else 0
     if device == "cuda":
         if not torch.cuda.is_available():

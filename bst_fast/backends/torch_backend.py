@@ -116,18 +116,23 @@ def chunk_pairs(per_pair_bytes: int, device: torch.device) -> int:
 
 
 def _cross_entropy_(z, y, wl, need: bool, gscale: float = 1.0):
-    """sum of wl * CE(z, y) over the (n, 2) rows of z (n, 2, V), in wl's dtype. z is overwritten: with
-    need, by gscale * wl * (softmax(z) - onehot(y)) in its own dtype. On a GPU no float32 copy of z
-    is made; on the CPU torch's sum(dtype=float32) of a 16-bit tensor upcasts a copy first."""
+    """sum of wl * CE(z, y) over the (n, 2) rows of z (n, 2, V), in wl's dtype. With need, z is
+    overwritten by gscale * wl * (softmax(z) - onehot(y)), computed in wl's dtype and rounded once
+    to z's, as the Triton kernel does (16-bit steps in between rounded each product and sum again,
+    and broke the 2x bound on small bias gradients). This engine runs on the CPU (and in float64):
+    a float32 copy of a 16-bit chunk (16 MB of logits) is cheap there; the GPU engine makes none."""
     acc = wl.dtype
-    zy = z.gather(2, y[..., None]).to(acc)  # (n, 2, 1)
-    mx = z.amax(2, keepdim=True)
-    z.sub_(mx).exp_()
-    s = z.sum(2, keepdim=True, dtype=acc)
-    loss = (wl * (mx.to(acc) + s.log() - zy)).sum()
+    x = z.to(acc)  # z itself when it is already float32 / float64: overwritten in place
+    zy = x.gather(2, y[..., None])  # (n, 2, 1)
+    mx = x.amax(2, keepdim=True)
+    x = x.sub_(mx).exp_()
+    s = x.sum(2, keepdim=True)
+    loss = (wl * (mx + s.log() - zy)).sum()
     if need:
-        z.mul_((gscale * wl / s).to(z.dtype))
-        z.scatter_add_(2, y[..., None], (-gscale * wl).to(z.dtype).expand(z.shape[0], 2, 1))
+        x.mul_(gscale * wl / s)
+        x.scatter_add_(2, y[..., None], (-gscale * wl).expand(z.shape[0], 2, 1))
+        if x is not z:
+            z.copy_(x)
     return loss
 
 
