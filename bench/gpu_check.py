@@ -97,9 +97,13 @@ def main():
                 else:
                     ml, mg = run(f, b, tokens, head, dtype, scale, "reference", **regen())
                     bl = 2 * rel(ml, ref_l) + 1e-3
-                    ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 for x, y, z in zip(g1, ref_g, mg))
+                    # docs/contract.md §6: the torch backend rounds a bf16 parameter's gradient once
+                    # more when grad_output (scale) is not a power of two: 2**-8 more for those
+                    extra = [2.0 ** -8 if name == "torch" and q >= 2 else 0.0 for q in range(len(g1))]  # f, b: none
+                    ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 + e for x, y, z, e in zip(g1, ref_g, mg, extra))
                     ok = el <= bl and ok_g
-                    bound = f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
+                    bound = (f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
+                             + (" + 2**-8 on the head's" if name == "torch" else ""))
                 ok = ok and same
                 failures += not ok
                 print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
