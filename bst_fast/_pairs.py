@@ -94,7 +94,7 @@ class PairList:
     ib: torch.Tensor  # (n,) int32 (likewise)
     w: torch.Tensor  # (n,) pair weights / wscale, or (1,) read with stride 0 (all pairs)
     w_stride: int
-    wscale: torch.Tensor  # (): the largest pair weight (the scale of all pairs); gradients are in its units
+    wscale: float  # the largest pair weight (the scale of all pairs), in `dtype`; gradients are in its units
     perm: torch.Tensor  # (n,) int32 (likewise)
     pre_off: torch.Tensor  # (B*L + 1,) int64
     suf_off: torch.Tensor  # (B*L + 1,) int64
@@ -109,7 +109,7 @@ def _exclusive_cumsum(counts):
 
 def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> PairList:
     """Sort the pair set into a PairList cut into chunks of `chunk` slots, its weights in `dtype`:
-    all on the device, two host synchronisations (the pair count, then the chunk table)."""
+    all on the device, two host synchronisations (the pair count, then the chunk table with wscale)."""
     dev = p.lengths.device
     BL = B * L
     ia, ib, weight = flat_pairs(p, L)
@@ -140,17 +140,18 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
     suf_lo = ib_pad.amin(1)
     suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
     longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
-    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1),
-                       longest.reshape(1)]).cpu().tolist()
+    # one transfer, as float64 (the counts are far below 2**53): the chunk table, longest, wscale
+    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1).double(),
+                       longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
-    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=wscale.reshape(()),
+    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
                     chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
-                    search_steps=int(table[-1]).bit_length())
+                    search_steps=int(table[-2]).bit_length())
 
 
-def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None, L=None):
+def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     """k[r] pairs of row r, uniform without replacement (docs/contract.md §5), drawn by the C++ sampler."""
     from .backends import cpp_backend  # noqa: F401  (the sampler op is registered with the extension)
 
@@ -158,13 +159,7 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None, L=N
     # the global RNG; the C++ sampler derives one stream per row from it.
     dev = generator.device if generator is not None else "cpu"
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
-    lengths_cpu = lengths.cpu()
-    if L is not None and lengths_cpu.numel() and int(lengths_cpu.max()) > L:
-        # prepare's own check is skipped under torch.compile (the pair-loss op repeats it), but the
-        # sampler runs first and its work grows with the lengths
-        r = int(lengths_cpu.argmax())
-        _fail(ValueError, f"lengths[{r}] must lie in [0, L={L}], got {int(lengths_cpu[r])}")
-    row, i, j = torch.ops.bst_fast.sample_pairs(lengths_cpu, prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed)
+    row, i, j = torch.ops.bst_fast.sample_pairs(lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed)
     return row.to(lengths.device), i.to(lengths.device), j.to(lengths.device)
 
 
@@ -231,7 +226,10 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     gmax = max(gmax, min_gap)
     counts = pair_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L)
     total = counts.sum()
-    checking = not (op_checks and torch.compiler.is_compiling())
+    # A compiled graph skips these checks (the op repeats them), unless pairs are sampled: the
+    # sampler runs first, here, its work growing with the lengths, and it synchronises anyway.
+    sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
+    checking = not (op_checks and torch.compiler.is_compiling()) or sampled
     if checking:
         bad_len = (lengths < 0) | (lengths > L)
         bad_start = prefix_start < 0
@@ -295,7 +293,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
         k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
-    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator, L)
+    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
     # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
     weight = counts[row].double() / k[row].double()
     if reduction == "mean":

@@ -50,8 +50,9 @@ def _check_ids(model, **named):
             continue
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
             raise ValueError(f"{name} must hold integer token ids, got {t.dtype}")
-        if (int(t.min()) < 0 or V is not None and int(t.max()) >= V):
-            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or V is not None and hi >= V:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"{name} must hold token ids in 0..{'' if V is None else V - 1}, got {bad}")
 
 

@@ -65,6 +65,20 @@ def activation_grad(name: str, grad: torch.Tensor, z: torch.Tensor) -> torch.Ten
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
+def text_head_problem(hidden, n_layers, activation) -> Optional[Tuple[str, str]]:
+    """(argument, what it must be) for the first of TextHead's hidden / n_layers / activation out
+    of range, else None: one check for the module and for ModelConfig's head_* fields."""
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 2:
+        return "n_layers", "an int >= 2 (the first layer splits into prefix and suffix parts)"
+    widths = [hidden] if isinstance(hidden, int) and not isinstance(hidden, bool) else list(hidden)
+    if (not isinstance(hidden, int) and len(widths) != n_layers - 1
+            or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths)):
+        return "hidden", f"a positive int or a list of n_layers - 1 = {n_layers - 1} positive ints"
+    if activation not in ACTIVATIONS:
+        return "activation", f"one of {ACTIVATIONS}"
+    return None
+
+
 class TextHead(nn.Module):
     """Linear(2m, h_1) -> act -> ... -> Linear(h_{n-1}, 2V); the Next and Prev heads share all but the last layer.
 
@@ -79,21 +93,14 @@ class TextHead(nn.Module):
     def __init__(self, d_model: int, vocab_size: int, hidden: Union[int, Sequence[int]] = 512,
                  n_layers: int = 2, activation: str = "gelu"):
         super().__init__()
-        for name, v in (("d_model", d_model), ("vocab_size", vocab_size), ("n_layers", n_layers)):
+        for name, v in (("d_model", d_model), ("vocab_size", vocab_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if n_layers < 2:
-            raise ValueError(f"n_layers must be >= 2 (the first layer splits into prefix and suffix parts), got {n_layers}")
-        if isinstance(hidden, int) and not isinstance(hidden, bool):
-            widths = [hidden] * (n_layers - 1)
-        else:
-            widths = list(hidden)
-            if len(widths) != n_layers - 1:
-                raise ValueError(f"hidden as a list must hold n_layers - 1 = {n_layers - 1} widths, got {len(widths)}")
-        if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths):
-            raise ValueError(f"hidden widths must be positive ints, got {hidden!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        problem = text_head_problem(hidden, n_layers, activation)
+        if problem is not None:
+            name, want = problem
+            raise ValueError(f"{name} must be {want}, got {dict(hidden=hidden, n_layers=n_layers, activation=activation)[name]!r}")
+        widths = [hidden] * (n_layers - 1) if isinstance(hidden, int) else list(hidden)
         self.d_model, self.vocab_size, self.activation = d_model, vocab_size, activation
         sizes = [2 * d_model, *widths, 2 * vocab_size]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head import ACTIVATIONS, ResidualSwiGLUHead, TextHead
+from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -38,7 +38,7 @@ class ModelConfig:
         def bad(name, want):
             raise ValueError(f"config field {prefix + name!r} must be {want}, got {getattr(self, name)!r}")
 
-        for name in ("vocab_size", "max_len", "d_model", "n_head", "head_layers"):
+        for name in ("vocab_size", "max_len", "d_model", "n_head"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
         if self.n_layer < 0:
@@ -51,14 +51,10 @@ class ModelConfig:
             bad("dropout", "in [0, 1)")
         if self.head_type not in HEAD_TYPES:
             bad("head_type", f"one of {HEAD_TYPES}")
-        if self.head_layers < 2:
-            bad("head_layers", ">= 2 (the first layer splits into prefix and suffix parts)")
-        widths = [self.head_hidden] if isinstance(self.head_hidden, int) else list(self.head_hidden)
-        if not widths or any(w < 1 for w in widths) or (not isinstance(self.head_hidden, int)
-                                                        and len(widths) != self.head_layers - 1):
-            bad("head_hidden", f"a positive int or a list of head_layers - 1 = {self.head_layers - 1} positive ints")
-        if self.head_activation not in ACTIVATIONS:
-            bad("head_activation", f"one of {ACTIVATIONS}")
+        problem = text_head_problem(self.head_hidden, self.head_layers, self.head_activation)
+        if problem is not None:  # TextHead's own check, named by field
+            bad({"hidden": "head_hidden", "n_layers": "head_layers", "activation": "head_activation"}[problem[0]],
+                problem[1])
         if self.head_tie_embedding and self.head_type != "swiglu":
             bad("head_tie_embedding", "false unless head_type is 'swiglu' (a TextHead has no lm_head to tie)")
         return self
@@ -69,8 +65,6 @@ class Block(nn.Module):
 
     def __init__(self, d: int, n_head: int, mlp_ratio: float, dropout: float):
         super().__init__()
-        if d % n_head:
-            raise ValueError(f"d_model ({d}) must be divisible by n_head ({n_head})")
         self.n_head, self.dropout = n_head, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)

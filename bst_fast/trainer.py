@@ -126,7 +126,7 @@ class TrainConfig:
             bad("next_weight", "in [0, 1]")
         if not 0.0 <= self.gamma <= 1.0:
             bad("gamma", "in [0, 1]")
-        for name in ("lr", "min_lr", "grad_clip", "weight_decay", "beta1", "beta2", "augment_prob", "next_weight", "gamma"):
+        for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
             if not math.isfinite(getattr(self, name)):
                 bad(name, "a finite number")
         if not self.lr > 0:
@@ -274,7 +274,6 @@ class _StarTask:
         self.stream = None if cfg.n_train else StarGraphStream(
             cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
         self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
-        self.save = lambda out_dir: None  # nothing of the data to write
         self.prefix_start = self.data.prefix_start
         self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
         l = self.data.path_len
@@ -285,6 +284,9 @@ class _StarTask:
         if self.method == "fim":
             self.test_rows, _, starts = self.fim_rows(self.data.test_tokens, torch.full((len(self.test_rows),), l))
             self.test_start = int(starts[0])
+
+    def save(self, out_dir: Path):
+        """Nothing of star-graph data is written to a run (its graphs are functions of the seed)."""
 
     def batch(self, step, batch_size):
         """(tokens, lengths, prefix_start (B,) or None): the method's training rows of step `step`."""
@@ -700,9 +702,11 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
     # back from the checkpoint, so the row that closes it is the uninterrupted run's); the rates.
     loss_sum, n_sum = torch.zeros((), device=device), 0
     if open_log:
-        sums, n_sum = open_log["loss_sum"], open_log["n"]
-        # per rank; under another number of ranks rank 0 carries their total, which averages the same
-        loss_sum.fill_(sums[rank] if len(sums) == world else (sum(sums) * world / len(sums) if rank == 0 else 0.0))
+        sums, n_sum = open_log["loss_sum"], open_log["n"]  # one per rank
+        if len(sums) == world:
+            loss_sum.fill_(sums[rank])
+        elif rank == 0:  # another number of ranks: rank 0 carries a total that averages the same
+            loss_sum.fill_(sum(sums) * world / len(sums))
     t0, tokens_seen, pairs_seen, n_timed = time.perf_counter(), 0, 0, 0
     for step in range(start, end):
         # Every random choice is a function of (seed, step, rank): resuming at any step is exact.

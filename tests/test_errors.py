@@ -420,14 +420,18 @@ def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch
         belief_state_loss(f, f, tokens, make_head(4, 5, hidden=4), backend="triton")
 
 
-def test_lengths_are_checked_before_sampling():
-    """Under torch.compile belief_state_loss skips its own checks (the op repeats them), but the
-    sampler runs first and its work grows with the lengths: it checks them itself."""
+def test_lengths_are_checked_before_sampling(monkeypatch):
+    """Under torch.compile belief_state_loss skips its own checks (the op repeats them), but with
+    sampled pairs the sampler runs first and its work grows with the lengths: then they are checked."""
     from bst_fast import _pairs
 
-    lengths, zero = torch.tensor([10, 2**62]), torch.zeros(2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"lengths\[1\] must lie in \[0, L=10\]"):
-        _pairs.sample_pairs(lengths, zero, 2, 10, torch.tensor([1, 1]), L=10)
+    f, b, tokens, head = make_inputs(B=2, L=10, m=4, V=5, seed=3)
+    kw = dict(lengths=torch.tensor([10, 2**62]), prefix_start=0, min_gap=2, max_gap=None, next_weight=0.5,
+              reduction="mean", generator=None, op_checks=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    _pairs.prepare(f, b, tokens, 5, pairs=None, **kw)  # skipped: the op checks all pairs itself
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, L=10\], got lengths\[1\]"):
+        _pairs.prepare(f, b, tokens, 5, pairs=3, **kw)
 
 
 def test_op_arguments_on_another_device_and_bad_weights_are_refused():

@@ -30,8 +30,8 @@ Two engines do the pair sums, their gradients and the cross-entropy:
 - torch ops (the CPU, and float64; _TorchOps): one embedding_bag over [P ; Q] and a cast;
   index_add_ of x's gradient cast to the accumulator's dtype (atomic, so not reproducible on a
   GPU); a swiglu part's activation and its gradient (head.swiglu_grad, from the sums gathered
-  again) in the accumulator's dtype; the cross-entropy in 5 passes over the logits (on the CPU
-  torch upcasts a float32 copy of 16-bit logits for the sum).
+  again) in the accumulator's dtype; the cross-entropy on the logits in the accumulator's dtype (a
+  copy of 16-bit logits), its gradient rounded once into them.
 
 A chunk holds about CHUNK_BYTES in the per-pair tensors the backend makes: the parts' values and
 the logits (the head's own intermediates come on top: for the SwiGLU head about twice as much).
@@ -40,8 +40,9 @@ narrower than its logits, but together wider.
 
 The loss is the graph's last node, so the forward computes every gradient and the backward only
 scales them by grad_output (autograd then maps the parts' gradients back to f, b and the split
-weights). Pair weights are divided by the largest one (so
-that fp16 gradients do not underflow) and multiplied back at the end.
+weights). The cross-entropy's gradient carries the true pair weights, except in fp16, where they
+are divided by the largest one and the chunk scaled (see the chunk loop) against underflow and
+overflow, both multiplied back in the float32 accumulators.
 """
 from __future__ import annotations
 
@@ -354,7 +355,7 @@ class _ChunkedLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
-        wscale = float(pl.wscale)  # the stream is idle here: pair_list read its chunk table
+        wscale = pl.wscale
 
         def pair_value(k, what, chunk, back):  # a part's per-pair value, in the graph if it needs a gradient
             if grads[k] is None:
@@ -411,7 +412,7 @@ class _ChunkedLoss(torch.autograd.Function):
                     if grad_params[k] is None:
                         grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
                     grad_params[k].add_(g, alpha=back)
-        loss = loss * pl.wscale
+        loss = loss * wscale
         it = iter(grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used per pair
         halves = [(None, None) if g is None else g.split(BL) for g in grads]
