@@ -4,7 +4,7 @@ and console script are in pyproject.toml. Built against the installed torch:
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # -march=native: the extension is built where it runs (pip install -e .); BST_FAST_PORTABLE=1
@@ -14,6 +14,11 @@ if os.environ.get("BST_FAST_PORTABLE", "0") != "1":
     flags.append("-march=native")
 
 setup(
+    # configs/ ships inside the package as bst_fast/configs, so `bst-fast star` and
+    # TrainConfig.load("configs/star_cpu.yaml") find them after a plain `pip install .` too.
+    packages=find_packages(include=["bst_fast", "bst_fast.*"]) + ["bst_fast.configs"],
+    package_dir={"bst_fast.configs": "configs"},
+    package_data={"bst_fast.configs": ["*.yaml"]},
     ext_modules=[
         CppExtension(
             "bst_fast._C",

@@ -12,7 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+from .trainer import bundled_configs
+
+CONFIGS = bundled_configs()
+CONFIG_HELP = ("a YAML or JSON TrainConfig file, or a shipped config by name: "
+               + ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml"))))
 
 
 def _is_text_field(key):
@@ -313,7 +317,7 @@ def main(argv=None):
     for name, helptext in (("train", "train one model"), ("star", "star-graph reproduction: BST vs forward-only")):
         p = sub.add_parser(name, help=helptext)
         default = str(CONFIGS / "star_cpu.yaml") if name == "star" else None
-        p.add_argument("--config", default=default, help="YAML or JSON TrainConfig" +
+        p.add_argument("--config", default=default, help=CONFIG_HELP +
                        (f" (default {default})" if default else ""))
         p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field, e.g. model.n_layer=6")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
@@ -322,7 +326,7 @@ def main(argv=None):
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
     p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
-    p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"), help="YAML or JSON TrainConfig")
+    p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"), help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue each method from its latest checkpoint")
     p.add_argument("--out", help="also write the table to this file")

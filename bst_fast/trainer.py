@@ -35,6 +35,31 @@ METHODS = ("bst", "forward", "augment", "fim", "teacherless")
 STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defined on star graphs
 
 
+def bundled_configs() -> Path:
+    """The folder of configs shipped with bst_fast: bst_fast/configs in an installed package
+    (setup.py maps the repository's configs/ there), the repository's configs/ in a clone or an
+    editable install."""
+    here = Path(__file__).resolve().parent
+    return here / "configs" if (here / "configs").is_dir() else here.parent / "configs"
+
+
+def config_path(path: Union[str, Path]) -> Path:
+    """`path` itself when it exists, else the shipped config it names (see TrainConfig.load);
+    FileNotFoundError naming the shipped ones otherwise."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"config {str(path)!r} is not a file")
+    shipped = bundled_configs()
+    name = path.name if path.suffix else path.name + ".yaml"
+    if path.parent in (Path("."), Path("configs")) and (shipped / name).is_file():
+        return shipped / name
+    names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
+    raise FileNotFoundError(f"config file {str(path)!r} does not exist (the shipped configs, loadable by "
+                            f"name: {names or 'none found'})")
+
+
 @dataclass
 class TrainConfig:
     # --- what to train ---
@@ -82,8 +107,11 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "TrainConfig":
-        """A config from a .yaml/.yml or .json file."""
-        text = Path(path).read_text()
+        """A config from a .yaml/.yml or .json file. A path that does not exist but names a
+        config shipped with bst_fast (`configs/star_cpu.yaml`, `star_cpu.yaml` or `star_cpu`)
+        loads the shipped one, so the README's paths work outside a clone of the repository."""
+        path = config_path(path)
+        text = path.read_text()
         try:
             if str(path).endswith((".yaml", ".yml")):
                 import yaml
@@ -251,8 +279,6 @@ def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
     elif isinstance(config, Mapping):
         cfg = apply_overrides(TrainConfig(), config)
     elif isinstance(config, (str, os.PathLike)):
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"config file {str(config)!r} does not exist")
         cfg = TrainConfig.load(config)
     else:
         raise TypeError(f"config must be a TrainConfig, a dict of fields or the path of a YAML/JSON file, "

@@ -7,6 +7,7 @@ holding a link to configs/. An HTML comment on the line just before the fence ch
   <!-- readme-test: cuda -->            run only where CUDA is available
   <!-- readme-test: slow -->            marked slow (deselect with -m "not slow")
 """
+import fnmatch
 import importlib
 import importlib.metadata
 import json
@@ -143,8 +144,38 @@ def test_unknown_override_lists_every_known_field():
 def test_bad_config_arguments():
     with pytest.raises(TypeError, match="config must be"):
         bst_fast.train(3)
-    with pytest.raises(FileNotFoundError, match="no_such.yaml"):
+    with pytest.raises(FileNotFoundError, match="no_such.yaml.*star_cpu"):
         bst_fast.train("configs/no_such.yaml")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        bst_fast.train(ROOT / "configs")
+
+
+def test_shipped_configs_load_by_name_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = TrainConfig.load(ROOT / "configs" / "star_cpu.yaml")
+    for name in ("configs/star_cpu.yaml", "star_cpu.yaml", "star_cpu"):
+        assert TrainConfig.load(name) == shipped, name
+    assert resolve_config("star_g25_gpu", steps=3).steps == 3
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TrainConfig.load("elsewhere/star_cpu.yaml")  # only a bare name or configs/NAME
+    # A file of the user's own, at the path given, comes first.
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "star_cpu.yaml").write_text("steps: 7\n")
+    assert TrainConfig.load("configs/star_cpu.yaml").steps == 7
+
+
+def test_setup_ships_the_configs_inside_the_package(monkeypatch):
+    """A plain `pip install .` installs configs/ as bst_fast/configs, where bundled_configs looks."""
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    monkeypatch.chdir(ROOT)
+    exec(compile((ROOT / "setup.py").read_text(), "setup.py", "exec"), {"__name__": "__main__"})
+    assert "bst_fast.configs" in seen["packages"] and "bst_fast.backends" in seen["packages"]
+    assert seen["package_dir"]["bst_fast.configs"] == "configs"
+    shipped = {p.name for p in (ROOT / "configs").iterdir()}
+    assert shipped and all(any(fnmatch.fnmatch(n, g) for g in seen["package_data"]["bst_fast.configs"]) for n in shipped)
 
 
 def test_cli_set_follows_the_same_rules(tmp_path):
