@@ -258,8 +258,22 @@ def cmd_generate(args):
         prompt, goal = prompt[:-1] + [codec.tok.edge_sep_id] + goal + [prompt[-1]], []
     # star graphs: the rest of the path, which a goal (its last nodes) ends; text: 32 tokens, or
     # what the model's positions leave after the prompt, the goal and EOS
-    default = cfg.star_path_len - len(goal) if star else min(32, cfg.model.max_len - len(prompt) - len(goal) - 1)
-    horizon = args.horizon if args.horizon is not None else max(default, 0)
+    for option, value, applies in (("--temperature", args.temperature, "sample"), ("--top-k", args.top_k, "sample"),
+                                   ("--seed", args.seed, "sample"), ("--beams", args.beams, "beam"),
+                                   ("--rollouts", args.rollouts, "plan")):
+        if value is not None and search != applies:
+            raise ValueError(f"{option} applies to --search {applies}, not {search}")
+    if args.horizon is not None:
+        horizon = args.horizon
+    elif star:
+        horizon = cfg.star_path_len - len(goal)
+        if horizon < 0:
+            raise ValueError(f"--suffix holds {len(goal)} nodes, more than a path's {cfg.star_path_len}")
+    else:
+        horizon = min(32, cfg.model.max_len - len(prompt) - len(goal) - 1)
+        if horizon < 1:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) and --suffix ({len(goal)}) leave no room "
+                             f"within max_len {cfg.model.max_len}: pass --horizon or shorten them")
     score = None
     if cfg.method == "teacherless":
         if search != "greedy":
@@ -270,12 +284,14 @@ def cmd_generate(args):
         new = result.best[len(prompt):len(result.best) - len(goal)].tolist()
         score = float(result.scores.max())
     elif search == "beam":
-        seqs, logp = decode.beam_search(model, prompt, horizon, beams=args.beams, goal=goal, eos_id=codec.eos_id)
+        seqs, logp = decode.beam_search(model, prompt, horizon, beams=120 if args.beams is None else args.beams,
+                                        goal=goal, eos_id=codec.eos_id)
         new, score = seqs[0].tolist(), float(logp[0])
     else:
-        gen = torch.Generator().manual_seed(args.seed)
+        gen = torch.Generator().manual_seed(args.seed or 0)
+        temperature = 1.0 if args.temperature is None else args.temperature
         new = decode.sample(model, torch.tensor([prompt]), horizon, codec.eos_id, goal=goal, generator=gen,
-                            temperature=0 if search == "greedy" else args.temperature, top_k=args.top_k)[0].tolist()
+                            temperature=0 if search == "greedy" else temperature, top_k=args.top_k)[0].tolist()
     if not star and codec.eos_id in new:
         new = new[:new.index(codec.eos_id)]
     print(f"prefix:    {codec.decode(prompt)}")
@@ -340,10 +356,10 @@ def main(argv=None):
     p.add_argument("--rollouts", type=int, help="planning roll-outs (default 120, the paper's)")
     p.add_argument("--horizon", type=int, help="tokens to generate (default: the rest of the path on star graphs, "
                    "else 32 or what max_len leaves)")
-    p.add_argument("--beams", type=int, default=120, help="beam search width")
-    p.add_argument("--temperature", type=float, default=1.0, help="--search sample")
+    p.add_argument("--beams", type=int, help="--search beam: the beam width (default 120, the paper's)")
+    p.add_argument("--temperature", type=float, help="--search sample (default 1)")
     p.add_argument("--top-k", type=int, help="--search sample: keep the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0, help="--search sample")
+    p.add_argument("--seed", type=int, help="--search sample (default 0)")
     p = sub.add_parser("probe", help="belief-state probes of star-graph checkpoints: accuracy per k")
     p.add_argument("--checkpoint", action="append", required=True, help="repeat for several models")
     p.add_argument("--n-train", type=_positive, default=2000, help="probe training graphs")

@@ -18,6 +18,7 @@ encoder steps); tests implement it with hand-set probability tables.
 from __future__ import annotations
 
 import heapq
+import operator
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -27,8 +28,12 @@ from torch import nn
 from .model import full_lengths
 
 
-def _ids(x) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.long).reshape(-1)
+def _ids(x, name="ids") -> torch.Tensor:
+    """One sequence of ids, (n,) or (1, n), as (n,): a batch of several is refused, not glued."""
+    t = torch.as_tensor(x, dtype=torch.long)
+    if t.dim() > 2 or t.dim() == 2 and t.shape[0] != 1:
+        raise ValueError(f"{name} must be one sequence of ids, (n,) or (1, n), got shape {tuple(t.shape)}")
+    return t.reshape(-1)
 
 
 def _device(model) -> torch.device:
@@ -36,8 +41,14 @@ def _device(model) -> torch.device:
 
 
 def _check_int(name, value, lowest):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+    """An int >= lowest (numpy and 0-d torch integers too, never a bool); returns it as an int."""
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or v < lowest:
         raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+    return v
 
 
 def _check_ids(model, **named):
@@ -87,7 +98,7 @@ class ForwardSearch:
 
     @torch.no_grad()
     def start(self, prefix, goal=()):
-        if len(_ids(goal)):
+        if len(_ids(goal, "goal")):
             raise ValueError("a forward-only model takes no goal; put it in the prompt (FIM format)")
         return self.model.lm_head(self.cache.start(prefix.to(_device(self.model))))
 
@@ -113,7 +124,7 @@ class BSTSearch:
     @torch.no_grad()
     def goal_state(self, goal):
         """B(goal + EOS) at the goal's first token; B(∅) for an empty goal. (m,)"""
-        goal = _ids(goal).to(_device(self.model))
+        goal = _ids(goal, "goal").to(_device(self.model))
         if len(goal) == 0:
             return self.model.empty_suffix(self.eos_id)
         row = torch.cat([goal, goal.new_tensor([self.eos_id])])[None]
@@ -137,6 +148,8 @@ class BSTSearch:
     @torch.no_grad()
     def score(self, seqs, first: int, head: str = "next"):
         """All candidates in one batched pass of both encoders (see the module docstring)."""
+        if head not in ("next", "prev"):
+            raise ValueError(f"head must be 'next' or 'prev', got {head!r}")
         seqs = seqs.to(_device(self.model))
         L = seqs.shape[1]
         if not 1 <= first <= L - 2:
@@ -153,6 +166,8 @@ def searcher(model, eos_id: Optional[int] = None):
     """The search interface for a model; an object that already has one is returned as it is."""
     if all(hasattr(model, name) for name in ("start", "step", "score")):
         return model
+    if hasattr(model, "dummy_id"):
+        raise ValueError("a Teacherless model predicts its whole answer in one pass: use model.generate")
     if hasattr(model, "head"):
         if eos_id is None:
             raise ValueError("a Belief State Transformer needs eos_id (its empty suffix is B(EOS))")
@@ -162,10 +177,18 @@ def searcher(model, eos_id: Optional[int] = None):
     raise ValueError(f"cannot decode with a {type(model).__name__}")
 
 
-def _check_room(model, n_positions):
-    limit = getattr(getattr(model, "cfg", None), "max_len", None)
+def _check_room(model, what, n_positions):
+    """The positions an encoder reads (`what` names them) fit the model's max_len."""
+    limit = getattr(getattr(model, "cfg", None), "max_len", None) if isinstance(model, nn.Module) else None
     if limit is not None and n_positions > limit:
-        raise ValueError(f"prompt + generated + goal tokens ({n_positions}) exceed the model's max_len {limit}")
+        raise ValueError(f"{what} ({n_positions} positions) exceed the model's max_len {limit}")
+
+
+def _check_goal_room(model, goal):
+    """A BST reads the goal + EOS in its backward encoder (a forward-only model refuses a goal)."""
+    n = len(_ids(goal, "goal"))
+    if n:
+        _check_room(model, "the goal and EOS", n + 1)
 
 
 # ---------------------------------------------------------------- sampling
@@ -181,13 +204,13 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
         prefix = prefix[None]
     if prefix.dim() != 2 or prefix.numel() == 0:
         raise ValueError(f"prefix must be a non-empty (P,) or (B, P) sequence of ids, got shape {tuple(prefix.shape)}")
-    _check_int("n_new", n_new, 0)
+    n_new = _check_int("n_new", n_new, 0)
     if top_k is not None:
-        _check_int("top_k", top_k, 1)
+        top_k = _check_int("top_k", top_k, 1)
     if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if isinstance(model, nn.Module):
-        _check_room(model, prefix.shape[1] + n_new - 1)  # the last new token is never read
+    _check_room(model, "the prompt and the generated tokens but the last", prefix.shape[1] + max(n_new - 1, 0))
+    _check_goal_room(model, goal)
     search = searcher(model, eos_id)
     out = []
     logits = search.start(prefix, goal)
@@ -195,7 +218,9 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
         if temperature == 0:
             token = logits.argmax(-1)
         else:
-            z = logits.float() / temperature
+            # Shifted by the row's maximum first, so a tiny temperature gives -inf, never inf - inf.
+            z = logits.float()
+            z = (z - z.max(-1, keepdim=True).values) / temperature
             if top_k is not None and top_k < z.shape[-1]:
                 kth = z.topk(top_k, dim=-1).values[..., -1:]
                 z = z.masked_fill(z < kth, float("-inf"))
@@ -230,15 +255,20 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     Ties in priority pop in push order, and one step pushes its tokens in vocabulary order.
     """
     _check_ids(model, prompt=prompt, goal=goal, eos_id=eos_id)
-    prompt, goal = _ids(prompt).tolist(), _ids(goal).tolist()
+    prompt, goal = _ids(prompt, "prompt").tolist(), _ids(goal, "goal").tolist()
     if not prompt:
         raise ValueError("prompt must hold at least one token (BOS)")
-    _check_int("horizon", horizon, 0)
-    _check_int("rollouts", rollouts, 1)
+    horizon = _check_int("horizon", horizon, 0)
+    rollouts = _check_int("rollouts", rollouts, 1)
     if score_last is not None:
-        _check_int("score_last", score_last, 1)
-    if isinstance(model, nn.Module):
-        _check_room(model, len(prompt) + horizon + len(goal) + 1)
+        score_last = _check_int("score_last", score_last, 1)
+        if goal:
+            raise ValueError("score_last applies without a goal (the unknown-goal score); a goal is scored by its own tokens")
+        if score_last > len(prompt) + horizon - 1:
+            raise ValueError(f"score_last must be at most the {len(prompt) + horizon - 1} scorable tokens "
+                             f"after BOS (prompt + horizon), got {score_last}")
+    # candidates are scored whole: prompt, generated tokens, goal and EOS in both encoders
+    _check_room(model, "the prompt, horizon, goal and EOS", len(prompt) + horizon + len(goal) + 1)
     search = searcher(model, eos_id)
     end = len(prompt) + horizon
     queue = [(-1.0, 0, prompt)]  # (-priority, push order, sequence): heapq pops the smallest
@@ -257,9 +287,11 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
                 if left:
                     # Only the `left` most likely alternatives can ever be popped: pushing the rest
                     # would change nothing but memory (V - 1 entries per step otherwise).
+                    # A stable sort keeps ties in vocabulary order, as the full push would.
                     alt = p.clone()
                     alt[x_max] = -1.0
-                    keep = alt.topk(min(left, len(p) - 1)).indices.sort().values.tolist()
+                    order = torch.sort(alt, descending=True, stable=True).indices
+                    keep = order[:min(left, len(p) - 1)].sort().values.tolist()
                     for x in keep:
                         heapq.heappush(queue, (-(r * float(p[x] / p[x_max])), pushed, s + [x]))
                         pushed += 1
@@ -276,7 +308,7 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
         scores = search.score(rows, end, "next")
     else:
         k = horizon if score_last is None else score_last
-        scores = search.score(rows, max(end - k, 1), "prev")
+        scores = search.score(rows, end - k, "prev")
     scores = torch.as_tensor(scores).float().cpu()
     return Plan(candidates[int(scores.argmax())], candidates, scores)
 
@@ -290,13 +322,13 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
     model gets the goal inside its prompt). Returns (sequences (n, n_new), log-probs (n,)), best first.
     """
     _check_ids(model, prompt=prompt, goal=goal, eos_id=eos_id)
-    prompt = _ids(prompt)
+    prompt = _ids(prompt, "prompt")
     if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token (BOS)")
-    _check_int("n_new", n_new, 0)
-    _check_int("beams", beams, 1)
-    if isinstance(model, nn.Module):
-        _check_room(model, len(prompt) + n_new + len(_ids(goal)) + 1)
+    n_new = _check_int("n_new", n_new, 0)
+    beams = _check_int("beams", beams, 1)
+    _check_room(model, "the prompt and the generated tokens but the last", len(prompt) + max(n_new - 1, 0))
+    _check_goal_room(model, goal)
     search = searcher(model, eos_id)
     seqs = torch.zeros((1, 0), dtype=torch.long)
     logp = torch.zeros(1)
@@ -325,7 +357,12 @@ def belief_states(model, tokens, lengths=None):
     if tokens.dim() == 1:
         tokens = tokens[None]
     tokens = tokens.to(_device(model))
-    lengths = full_lengths(tokens, lengths)
+    lengths = full_lengths(tokens, lengths, getattr(getattr(model, "cfg", None), "vocab_size", None))
+    bad = ((lengths < 1) | (lengths > tokens.shape[1])).nonzero()  # decoding: a sync is no cost here
+    if len(bad):
+        r = int(bad[0])
+        raise ValueError(f"lengths must lie in [1, L={tokens.shape[1]}] (a state has read at least one token), "
+                         f"got lengths[{r}] = {int(lengths[r])}")
     f = model.forward_encoder(tokens)
     return f[torch.arange(len(f), device=f.device), torch.as_tensor(lengths, device=f.device) - 1]
 
@@ -353,6 +390,11 @@ def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: in
 def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Sequence[int], **probe_kw):
     """Paper §"Understanding Belief States": from f at `position` (star graphs: the "=" before the
     path), probe the token k steps ahead for each k. Returns {k: test accuracy}."""
+    L = min(torch.as_tensor(train_tokens).shape[-1], torch.as_tensor(test_tokens).shape[-1])
+    position = _check_int("position", position, 0)
+    ks = [_check_int("ks", k, 1) for k in ks]
+    if not ks or position + max(ks) >= L:
+        raise ValueError(f"ks must be non-empty with position + k < L = {L} (position {position}), got {list(ks)}")
     states = {}
     for name, rows in (("train", train_tokens), ("test", test_tokens)):
         rows = torch.as_tensor(rows)

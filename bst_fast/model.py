@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
+from ._pairs import _as_row_vector
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -22,7 +23,7 @@ class ModelConfig:
     d_model: int = 128  # width m of the residual stream and of f, b
     n_head: int = 4  # attention heads; d_model must divide by it
     mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
-    dropout: float = 0.0  # on attention, MLP and embeddings
+    dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: see README)
     shared_encoders: bool = False  # one encoder for both directions, told apart by a segment embedding
     head_type: str = "mlp"  # "mlp": TextHead (the paper's); "swiglu": ResidualSwiGLUHead (the official code's)
     head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
@@ -38,6 +39,16 @@ class ModelConfig:
         def bad(name, want):
             raise ValueError(f"config field {prefix + name!r} must be {want}, got {getattr(self, name)!r}")
 
+        # types first (a config file's loader checks them too; a ModelConfig built in Python may not)
+        for name in ("vocab_size", "max_len", "n_layer", "d_model", "n_head"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                bad(name, "an int")
+        for name in ("mlp_ratio", "dropout"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                bad(name, "a number")
+        for name in ("shared_encoders", "head_tie_embedding", "gpt_head", "backward_encoder"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
         for name in ("vocab_size", "max_len", "d_model", "n_head"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
@@ -119,18 +130,40 @@ class Encoder(nn.Module):
         return self.ln(x)
 
 
-def full_lengths(tokens, lengths=None):
-    """lengths, or every row's full length L when it is None: (B,) int64."""
-    if lengths is not None:
-        return lengths
-    return torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+def full_lengths(tokens, lengths=None, vocab_size=None):
+    """The (B,) int64 lengths of a (B, L) batch of ids: `lengths` (an int or a (B,) integer tensor),
+    or every row's full L when it is None. Checks the batch first, naming the argument: its shape
+    and dtype always; on the CPU also lengths in [0, L] and, given vocab_size, the ids at valid
+    positions. On a GPU those values are left to the loss's own check, which costs the step's one
+    host sync (reverse_valid clamps its index meanwhile)."""
+    if not torch.is_tensor(tokens) or tokens.dim() != 2:
+        raise ValueError(f"tokens must be a (B, L) tensor of ids, got "
+                         f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    B, L = tokens.shape
+    given = lengths is not None
+    lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and (given or vocab_size is not None):
+        bad = ((lengths < 0) | (lengths > L)).nonzero()
+        if len(bad):
+            r = int(bad[0])
+            raise ValueError(f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
+        if vocab_size is not None:
+            valid = torch.arange(L)[None] < lengths[:, None]
+            bad = (valid & ((tokens < 0) | (tokens >= vocab_size))).nonzero()
+            if len(bad):
+                r, t = (int(x) for x in bad[0])
+                raise ValueError(f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, "
+                                 f"got tokens[{r}, {t}] = {int(tokens[r, t])}")
+    return lengths
 
 
 def reverse_valid(tokens, lengths):
     """Each row's valid part reversed, padding kept at the end: out[r, t] = tokens[r, len_r - 1 - t]."""
     L = tokens.shape[1]
     t = torch.arange(L, device=tokens.device)[None]
-    idx = (lengths[:, None] - 1 - t).clamp(min=0)
+    idx = (lengths[:, None] - 1 - t).clamp(0, L - 1)
     out = tokens.gather(1, idx)
     return torch.where(t < lengths[:, None], out, tokens), idx
 
@@ -142,7 +175,11 @@ def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None):
     ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
     mask = (i >= ps) & (i <= lengths[:, None] - 2)  # (B, L-1)
     ce = F.cross_entropy(lm_head(f[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
-    return (ce * mask).sum() / (mask.sum() if total is None else total)
+    if total is None:
+        total = mask.sum()
+        if not torch.compiler.is_compiling() and int(total) == 0:  # the trainer passes its total: no sync
+            raise ValueError("the batch has no next-token position: every row is too short for prefix_start and lengths")
+    return (ce * mask).sum() / total
 
 
 def _init_weights(module):
@@ -185,7 +222,7 @@ class BeliefStateTransformer(nn.Module):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
         if self.suffix_constant is not None:
             return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
-        lengths = full_lengths(tokens, lengths)
+        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         rev, idx = reverse_valid(tokens, lengths)
         if self.backward_encoder is None:
             states = self.forward_encoder(rev, segment=1)
@@ -210,7 +247,11 @@ class BeliefStateTransformer(nn.Module):
                 generator=None, pair_total=None, token_total=None, backend="auto"):
         """Losses of a batch: dict(total, belief, gpt). pair_total / token_total replace the batch's own
         pair and token counts as the mean's divisor (set by the trainer so that ranks average exactly)."""
-        lengths = full_lengths(tokens, lengths)
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        if gamma > 0 and self.gpt is None:
+            raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
+        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         f = self.prefix_states(tokens)
         b = self.suffix_states(tokens, lengths)
         red = "mean" if pair_total is None else "sum"
@@ -244,7 +285,7 @@ class ForwardOnly(nn.Module):
         _init_weights(self)
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
-        lengths = full_lengths(tokens, lengths)
+        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         loss = next_token_loss(self.lm_head, self.forward_encoder(tokens), tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
 
@@ -271,7 +312,7 @@ class Teacherless(ForwardOnly):
         return tokens.masked_fill((i > ps) & (i < lengths[:, None]), self.dummy_id)
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
-        lengths = full_lengths(tokens, lengths)
+        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
@@ -279,6 +320,11 @@ class Teacherless(ForwardOnly):
     @torch.no_grad()
     def generate(self, prefix, n_new: int, eos_id: int = 0):
         """One forward pass over the prompt and n_new - 1 dummies: (B, P) -> (B, n_new)."""
+        if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
+            raise ValueError(f"n_new must be an int >= 0, got {n_new!r}")
+        if not torch.is_tensor(prefix) or prefix.dim() != 2 or prefix.shape[1] == 0:
+            raise ValueError(f"prefix must be a (B, P) tensor of ids with P >= 1, got "
+                             f"{tuple(prefix.shape) if torch.is_tensor(prefix) else type(prefix).__name__}")
         B, P = prefix.shape
         blind = torch.cat([prefix, prefix.new_full((B, max(n_new - 1, 0)), self.dummy_id)], 1)
         return self.lm_head(self.forward_encoder(blind)[:, P - 1:P - 1 + n_new]).argmax(-1)

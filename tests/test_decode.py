@@ -144,10 +144,58 @@ def test_cached_decoding_equals_full_reencoding(kind):
     (lambda m: decode.beam_search(m, [0, 1], 2, beams=0, eos_id=EOS), "beams"),
     (lambda m: decode.beam_search(m, [0, 1], -2, eos_id=EOS), "n_new"),
     (lambda m: decode.beam_search(m, [0, -1], 2, eos_id=EOS), "prompt"),
+    # a batch of prompts or goals is refused, not glued into one sequence
+    (lambda m: decode.plan(m, [[4, 0], [4, 1]], [1], horizon=2, rollouts=2, eos_id=EOS), "prompt"),
+    (lambda m: decode.plan(m, [4, 0], [[1], [2]], horizon=1, rollouts=1, eos_id=EOS), "goal"),
+    (lambda m: decode.beam_search(m, [[4, 0], [4, 1]], 2, eos_id=EOS), "prompt"),
+    (lambda m: decode.sample(m, [4, 0], 2, EOS, goal=[[1], [2]]), "goal"),
+    # score_last: only without a goal, and no more than the tokens there are (never clamped)
+    (lambda m: decode.plan(m, [4, 0], [1], horizon=2, eos_id=EOS, score_last=1), "score_last"),
+    (lambda m: decode.plan(m, [4, 0], (), horizon=2, eos_id=EOS, score_last=4), "score_last"),
+    (lambda m: decode.plan(m, [4] * 20, [1, 2, 3], horizon=1, eos_id=EOS), "max_len"),
+    (lambda m: decode.sample(m, [4, 0], 2, EOS, goal=[1] * 24), "goal and EOS"),
+    (lambda m: decode.BSTSearch(m, EOS).score(torch.zeros(1, 5, dtype=torch.long), 1, "nxt"), "head"),
+    (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([0])), "lengths"),
+    (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([4])), "lengths"),
+    (lambda m: decode.probe_future_tokens(m, torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, 5, dtype=torch.long),
+                                          1, [0]), "ks"),
+    (lambda m: decode.probe_future_tokens(m, torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, 5, dtype=torch.long),
+                                          2, [1, 3]), "position"),
 ])
 def test_bad_decoding_arguments_name_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call(tiny_bst())
+
+
+def test_decoding_counts_take_numpy_and_torch_integers_and_the_goal_apart():
+    import numpy as np
+
+    model = tiny_bst()
+    want = decode.sample(model, [4, 0], 3, EOS, temperature=0)
+    assert torch.equal(decode.sample(model, [4, 0], np.int64(3), EOS, temperature=0), want)
+    assert torch.equal(decode.sample(model, [4, 0], torch.tensor(3), EOS, temperature=0), want)
+    # The goal is read by the backward encoder, apart from the prompt: a 20-token prompt and a
+    # 3-token goal fit max_len 24 for sampling and beam search alike.
+    assert decode.sample(model, [4] * 20, 2, EOS, goal=[1, 2, 0], temperature=0).shape == (1, 2)
+    assert decode.beam_search(model, [4] * 20, 2, beams=1, goal=[1, 2, 0], eos_id=EOS)[0].shape == (1, 2)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token():
+    model = tiny_bst(scale=3000.0)  # logits of tens: dividing them by 1e-38 overflowed to inf - inf
+    greedy = decode.sample(model, [4, 0, 1], 3, EOS, temperature=0)
+    assert torch.equal(decode.sample(model, [4, 0, 1], 3, EOS, temperature=1e-38), greedy)
+
+
+def test_plan_pruning_keeps_ties_in_vocabulary_order():
+    # After 0, 0 the five alternatives tie (priority 1): the full push (rollouts 8) and the pruned one
+    # (rollouts 2: room for one alternative) must both take the first of them in vocabulary order.
+    V = 6
+    table = {(0,): [0.4] + [0.12] * 5}
+    table.update({(0, a): [1 / 6] * V for a in range(V)})
+    for n in (2, 8):
+        stub = TableModel(table, {tuple(s): 0.0 for s in itertools.product([0], range(V), range(V), [1])})
+        cands = decode.plan(stub, [0], goal=[1], horizon=2, rollouts=n, eos_id=EOS).candidates
+        assert [c.tolist() for c in cands[:2]] == [[0, 0, 0, 1], [0, 0, 1, 1]], n
 
 
 def test_top_k_sampling_stays_in_top_k():
@@ -350,7 +398,14 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
     prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
     for flags, name in ((["--rollouts", "0"], "rollouts"), (["--search", "beam", "--beams", "0"], "beams"),
                         (["--search", "sample", "--top-k", "0"], "top_k"),
-                        (["--search", "sample", "--temperature", "-1"], "temperature")):
+                        (["--search", "sample", "--temperature", "-1"], "temperature"),
+                        # an option of another search is refused, not ignored
+                        (["--temperature", "0.5"], "--temperature applies to --search sample"),
+                        (["--search", "plan", "--beams", "4"], "--beams applies to --search beam"),
+                        (["--search", "beam", "--rollouts", "4"], "--rollouts applies to --search plan"),
+                        (["--search", "greedy", "--seed", "1"], "--seed applies"),
+                        # a suffix longer than the path: an error, not an empty answer
+                        (["--suffix", "1 2 3 4 0 1 2 3 4"], "more than a path")):
         assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, *flags]) == 2, flags
         assert name in capsys.readouterr().err
     broken = tmp_path / "broken"

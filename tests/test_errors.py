@@ -463,3 +463,58 @@ def test_a_huge_count_per_row_is_every_pair():
     want = belief_state_loss(f, b, tokens, head, backend="torch", pairs=10**6)
     got = belief_state_loss(f, b, tokens, head, backend="torch", pairs=2**70)
     torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- the models' own arguments
+
+def _models():
+    from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig, Teacherless
+
+    cfg = ModelConfig(vocab_size=13, max_len=16, n_layer=1, d_model=8, n_head=2, head_hidden=8)
+    return [BeliefStateTransformer(cfg), ForwardOnly(cfg), Teacherless(cfg)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tokens=torch.zeros(9, dtype=torch.long)), "tokens must be a .B, L. tensor"),
+    (dict(tokens=torch.zeros(2, 9)), "tokens must be an integer tensor"),
+    (dict(lengths=torch.tensor([12, 9])), r"lengths must lie in \[0, L=9\]"),
+    (dict(lengths=torch.tensor([9.0, 9.0])), "lengths must be an int or a"),
+    (dict(lengths=torch.tensor([9])), r"lengths must have shape \(2,\)"),
+    (dict(tokens=torch.full((2, 9), 13)), r"tokens must lie in \[0, vocab_size=13\)"),
+])
+def test_model_forward_checks_the_batch_before_the_encoders(kwargs, match):
+    for model in _models():
+        args = dict(tokens=torch.ones(2, 9, dtype=torch.long), lengths=None) | kwargs
+        with pytest.raises(ValueError, match=match):
+            model(args["tokens"], args["lengths"])
+
+
+def test_model_forward_takes_an_int_length_and_refuses_a_silent_gamma():
+    bst, fwd, _ = _models()
+    tokens = torch.randint(0, 13, (2, 9))
+    torch.testing.assert_close(bst(tokens, 9)["total"], bst(tokens)["total"])
+    with pytest.raises(ValueError, match="gamma > 0 .* has none"):
+        bst(tokens, gamma=0.5)  # no GPT head: the weight used to be ignored
+    with pytest.raises(ValueError, match=r"gamma must be a number in \[0, 1\]"):
+        bst(tokens, gamma=1.5)
+    with pytest.raises(ValueError, match="no next-token position"):
+        fwd(tokens, prefix_start=20)  # was 0/0 = nan
+
+
+def test_model_config_types_are_checked_by_name():
+    from bst_fast.model import ModelConfig
+
+    for field, value, want in (("n_layer", 1.5, "an int"), ("d_model", "8", "an int"),
+                               ("gpt_head", 1, "true or false"), ("mlp_ratio", True, "a number")):
+        with pytest.raises(ValueError, match=f"'model.{field}' must be {want}"):
+            ModelConfig(**{field: value}).check()
+
+
+def test_teacherless_generate_checks_its_count():
+    _, _, teacherless = _models()
+    with pytest.raises(ValueError, match="n_new"):
+        teacherless.generate(torch.ones(1, 3, dtype=torch.long), -2)
+    assert teacherless.generate(torch.ones(1, 3, dtype=torch.long), 0).shape == (1, 0)
+    from bst_fast import decode
+    with pytest.raises(ValueError, match="Teacherless"):
+        decode.sample(teacherless, [1, 2], 2)
