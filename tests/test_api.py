@@ -65,6 +65,10 @@ EXPORTS = {
 
 def test_exports():
     assert set(bst_fast.__all__) == EXPORTS and len(bst_fast.__all__) == len(EXPORTS)
+    # The README's list of exports names each of them, and nothing else.
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("The package exports"):readme.index("Modules whose names start")]
+    assert set(re.findall(r"`(\w+)`", paragraph)) - {"__all__"} == EXPORTS
     namespace = {}
     exec("from bst_fast import *", namespace)
     assert EXPORTS <= set(namespace)
