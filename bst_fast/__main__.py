@@ -119,6 +119,9 @@ TABLE_ROWS = (
     ("BST w/o Prev", {"method": "bst", "next_weight": 1.0}),
     ("BST w/o backward", {"method": "bst", "model.backward_encoder": False}),
 )
+# Every row starts from the full BST's settings, so a base config's ablation never reaches the row
+# labelled "BST".
+TABLE_BASE = {"next_weight": 0.5, "model.backward_encoder": True}
 
 
 def machine() -> str:
@@ -147,10 +150,13 @@ def cmd_table(args):
     from .trainer import train
 
     base = _load(args)
-    lines = []
+    rows = []  # every row's config is checked before the first one trains
     for label, changes in TABLE_ROWS:
-        cfg = _apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
+        cfg = _apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in {**TABLE_BASE, **changes}.items()]).check()
         cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
+        rows.append((label, cfg))
+    lines = []
+    for label, cfg in rows:
         print(f"== {label}", flush=True)
         t0 = time.perf_counter()
         r = train(cfg, resume=args.resume, overwrite=not args.resume)

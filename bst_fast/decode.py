@@ -18,13 +18,13 @@ encoder steps); tests implement it with hand-set probability tables.
 from __future__ import annotations
 
 import heapq
-import operator
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_int
 from .model import full_lengths
 
 
@@ -38,17 +38,6 @@ def _ids(x, name="ids") -> torch.Tensor:
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def _check_int(name, value, lowest):
-    """An int >= lowest (numpy and 0-d torch integers too, never a bool); returns it as an int."""
-    try:
-        v = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        v = None
-    if v is None or v < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
-    return v
 
 
 def _check_ids(model, **named):
@@ -204,9 +193,9 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
         prefix = prefix[None]
     if prefix.dim() != 2 or prefix.numel() == 0:
         raise ValueError(f"prefix must be a non-empty (P,) or (B, P) sequence of ids, got shape {tuple(prefix.shape)}")
-    n_new = _check_int("n_new", n_new, 0)
+    n_new = check_int("n_new", n_new, 0)
     if top_k is not None:
-        top_k = _check_int("top_k", top_k, 1)
+        top_k = check_int("top_k", top_k, 1)
     if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     _check_room(model, "the prompt and the generated tokens but the last", prefix.shape[1] + max(n_new - 1, 0))
@@ -258,10 +247,10 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     prompt, goal = _ids(prompt, "prompt").tolist(), _ids(goal, "goal").tolist()
     if not prompt:
         raise ValueError("prompt must hold at least one token (BOS)")
-    horizon = _check_int("horizon", horizon, 0)
-    rollouts = _check_int("rollouts", rollouts, 1)
+    horizon = check_int("horizon", horizon, 0)
+    rollouts = check_int("rollouts", rollouts, 1)
     if score_last is not None:
-        score_last = _check_int("score_last", score_last, 1)
+        score_last = check_int("score_last", score_last, 1)
         if goal:
             raise ValueError("score_last applies without a goal (the unknown-goal score); a goal is scored by its own tokens")
         if score_last > len(prompt) + horizon - 1:
@@ -325,8 +314,8 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
     prompt = _ids(prompt, "prompt")
     if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token (BOS)")
-    n_new = _check_int("n_new", n_new, 0)
-    beams = _check_int("beams", beams, 1)
+    n_new = check_int("n_new", n_new, 0)
+    beams = check_int("beams", beams, 1)
     _check_room(model, "the prompt and the generated tokens but the last", len(prompt) + max(n_new - 1, 0))
     _check_goal_room(model, goal)
     search = searcher(model, eos_id)
@@ -391,8 +380,8 @@ def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Seq
     """Paper §"Understanding Belief States": from f at `position` (star graphs: the "=" before the
     path), probe the token k steps ahead for each k. Returns {k: test accuracy}."""
     L = min(torch.as_tensor(train_tokens).shape[-1], torch.as_tensor(test_tokens).shape[-1])
-    position = _check_int("position", position, 0)
-    ks = [_check_int("ks", k, 1) for k in ks]
+    position = check_int("position", position, 0)
+    ks = [check_int("ks", k, 1) for k in ks]
     if not ks or position + max(ks) >= L:
         raise ValueError(f"ks must be non-empty with position + k < L = {L} (position {position}), got {list(ks)}")
     states = {}

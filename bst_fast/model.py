@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
+from ._checks import check_int
 from ._pairs import _as_row_vector
 from .loss import belief_state_loss
 
@@ -320,8 +321,7 @@ class Teacherless(ForwardOnly):
     @torch.no_grad()
     def generate(self, prefix, n_new: int, eos_id: int = 0):
         """One forward pass over the prompt and n_new - 1 dummies: (B, P) -> (B, n_new)."""
-        if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 0:
-            raise ValueError(f"n_new must be an int >= 0, got {n_new!r}")
+        n_new = check_int("n_new", n_new, 0)
         if not torch.is_tensor(prefix) or prefix.dim() != 2 or prefix.shape[1] == 0:
             raise ValueError(f"prefix must be a (B, P) tensor of ids with P >= 1, got "
                              f"{tuple(prefix.shape) if torch.is_tensor(prefix) else type(prefix).__name__}")

@@ -132,10 +132,15 @@ class TrainConfig:
         def bad(name, want):
             raise ValueError(f"config field {name!r} must be {want}, got {getattr(self, name)!r}")
 
+        if not isinstance(self.model, ModelConfig):
+            bad("model", "a ModelConfig (a mapping of its fields goes through TrainConfig.from_dict)")
+        TrainConfig.from_dict(self.to_dict())  # every field's type, as a config file's are checked
         if self.method not in METHODS:
             bad("method", f"one of {METHODS}")
         if self.method in STAR_ONLY and self.data != "star":
             bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
+        if self.method == "augment" and self.star_path_len < 3:
+            bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
         if not 0.0 <= self.augment_prob <= 1.0:
             bad("augment_prob", "in [0, 1]")
         for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
@@ -321,7 +326,7 @@ class _StarTask:
         # The transforms draw from their own (seed, step) generator: resume stays exact.
         gen = torch.Generator().manual_seed(self.seed * 1_000_033 + step)
         l, ps = self.data.path_len, self.prefix_start
-        if self.method == "augment" and l > 2:
+        if self.method == "augment":
             # [E / s g = path] -> [E / s n' = path], n' uniform among the intermediate nodes n_2..n_{l-1}
             rows = rows.clone()
             which = torch.rand(len(rows), generator=gen) < self.augment_prob
@@ -605,7 +610,8 @@ class TrainingStopped(RuntimeError):
 
 # Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
 # the schedule's length, but extending a run is a deliberate choice).
-RESUMABLE_CHANGES = ("steps", "n_test", "eval_every", "ckpt_every", "keep_checkpoints", "log_every",
+# Not n_test: the star-graph test set, and so what training excludes, depends on it.
+RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "log_every",
                      "progress", "device", "compile", "out_dir", "backend")
 
 

@@ -112,18 +112,20 @@ def test_determinism():
 
 
 def _canon(tok, row):
-    g = tok.parse(row)
-    return frozenset(g.edges), g.start, g.goal
+    """The graph of a row: its edge set (the query is not part of it)."""
+    return frozenset(tok.parse(row).edges)
 
 
 def test_no_train_test_overlap():
-    # G(2, 3) over 5 nodes has only 5 * 4!/2 * 2 = 120 graph+query rows: collisions are certain
+    # G(2, 3) over 5 nodes has only 5 * 4!/2 = 60 graphs (120 graph+query rows): collisions are
+    # certain, also of a test graph asked with its other goal, which training must not see either.
     data = StarGraphData(2, 3, 5, n_train=600, n_test=40, seed=0)
     tok = data.tokenizer
     test = {_canon(tok, r) for r in data.test_tokens}
-    assert len(test) == 40                                   # test rows are distinct
+    assert len(test) == 40                                   # test graphs are distinct
     assert not test & {_canon(tok, r) for r in data.train_tokens}
     assert len(data.train_tokens) == 600
+    assert len({_canon(tok, r) for r in data.train_tokens}) == 20  # every other graph is trained on
     stream = StarGraphStream(2, 3, 5, seed=0, exclude=data)
     assert not test & {_canon(tok, r) for r in stream.batch(0, 500)}
     keyed = StarGraphStream(2, 3, 5, seed=0, exclude=data.test_tokens)
@@ -132,8 +134,41 @@ def test_no_train_test_overlap():
     r = data.test_tokens[:1].numpy().copy()
     r[0, [1, 2, 4, 5]] = r[0, [4, 5, 1, 2]]
     assert graph_keys(r, 2, 3)[0] == graph_keys(data.test_tokens[:1], 2, 3)[0]
+    # a query (start, goal) swapped for the other goal keeps the key: the key is the graph's
+    other = data.test_tokens[:1].numpy().copy()
+    g = tok.parse(other[0])
+    other_goal = next(v for u, v in g.edges if v != g.goal and all(u2 != v for u2, _ in g.edges))
+    other[0, data.prefix_start - 1] = other_goal
+    assert graph_keys(other, 2, 3)[0] == graph_keys(data.test_tokens[:1], 2, 3)[0]
     with pytest.raises(ValueError, match="n_test=200"):
         StarGraphData(2, 3, 5, n_train=1, n_test=200)
+    with pytest.raises(ValueError, match=r"tokens must be \(n, 20\) rows of G\(2, 3\)"):
+        graph_keys(StarGraphData(2, 5, 9, n_train=0, n_test=2).test_tokens, 2, 3)
+    with pytest.raises(ValueError, match="exclude holds G"):
+        StarGraphStream(2, 3, 6, exclude=data)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: StarGraphData(2.7, 3, 10, n_train=4, n_test=4), "d"),
+    (lambda: StarGraphData(2, 3.9, 10, n_train=4, n_test=4), "l"),
+    (lambda: StarGraphData(2, 3, 10.9, n_train=4, n_test=4), "n_nodes"),
+    (lambda: StarGraphData(2, 3, 10, n_train=4, n_test=4, seed=-1), "seed"),
+    (lambda: StarGraphData(2, 3, 10, n_train=4, n_test=4).batch(-1, 2, 0), "step"),
+    (lambda: StarGraphStream(2, 3, 10, seed=2.9), "seed"),
+    (lambda: StarGraphStream(2, 3, 10).batch(0, 0), "batch_size"),
+    (lambda: generate_star_graphs(-1, 2, 3, 10, 0), "n"),
+    (lambda: path_accuracy(lambda p, n: p[:, :n], torch.zeros(4, 13, dtype=torch.long), 9, 0), "path_len"),
+    (lambda: path_accuracy(lambda p, n: p[:, :n], torch.zeros(4, 13, dtype=torch.long), 9, 3, batch_size=0), "batch_size"),
+    (lambda: path_accuracy(lambda p, n: p[:, :n], torch.zeros(4, 12, dtype=torch.long), 9, 3), "tokens"),
+])
+def test_bad_star_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        call()
+
+
+def test_decode_shows_unknown_ids():
+    tok = StarGraphTokenizer(2)
+    assert tok.decode([-1, 0, tok.vocab_size]) == f"<unk:-1> 0 <unk:{tok.vocab_size}>"
 
 
 # ---------------------------------------------------------------------------- path accuracy

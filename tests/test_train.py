@@ -300,6 +300,9 @@ def test_resume_refuses_a_changed_training_field(tmp_path):
     train(tiny(tmp_path), stop_at=3)
     with pytest.raises(ValueError, match="another config.*'seed'"):
         train(tiny(tmp_path, seed=5), resume=True)
+    # the star-graph test set, and so what training excludes, depends on n_test
+    with pytest.raises(ValueError, match="another config.*'n_test'"):
+        train(tiny(tmp_path, n_test=tiny(tmp_path).n_test + 1), resume=True)
     train(tiny(tmp_path, log_every=1), resume=True)  # logging fields may change
 
 
@@ -313,3 +316,25 @@ def test_resume_replays_no_metric_rows(tmp_path):
     steps = [int(line.split(",")[0]) for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:]
              if line.split(",")[1] == "loss"]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_table_pins_the_bst_row_and_checks_every_row_first(tmp_path, monkeypatch, capsys):
+    import bst_fast.trainer as trainer
+    from bst_fast.__main__ import TABLE_ROWS, main
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, **kw: seen.append(cfg) or {"path_accuracy": 1.0, "loss": 0.0})
+    base = ["--config", str(TINY), "--set", f"out_dir={tmp_path}"]
+    # an ablated base config: the row labelled BST still trains the full BST
+    out = tmp_path / "table.md"
+    assert main(["table", *base, "--set", "next_weight=1.0", "--set", "model.backward_encoder=false",
+                 "--out", str(out)]) == 0
+    rows = dict(zip([label for label, _ in TABLE_ROWS], seen))
+    assert len(seen) == len(TABLE_ROWS)
+    assert rows["BST"].next_weight == 0.5 and rows["BST"].model.backward_encoder
+    assert rows["BST w/o Prev"].next_weight == 1.0 and not rows["BST w/o backward"].model.backward_encoder
+    assert out.read_text().count("| 1.000 |") == len(TABLE_ROWS)
+    # a row that cannot run (augment needs an intermediate node) fails before any row trains
+    seen.clear()
+    assert main(["table", *base, "--set", "star_path_len=2"]) == 2
+    assert "augment" in capsys.readouterr().err and not seen

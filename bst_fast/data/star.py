@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from .._checks import check_int
+
 # Seed-sequence tags keep the test split, the train split, the epoch permutations and the stream
 # on independent random streams even when they are given the same seed.
 _TAG_TEST, _TAG_TRAIN, _TAG_PERM, _TAG_STREAM = 1, 2, 3, 4
@@ -39,9 +41,7 @@ class StarGraphTokenizer:
     SPECIALS = ("<pad>", "<bos>", "<eos>", "|", "/", "=")
 
     def __init__(self, n_nodes: int):
-        if int(n_nodes) < 1:
-            raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
-        self.n_nodes = int(n_nodes)
+        self.n_nodes = check_int("n_nodes", n_nodes, 1)
         self.pad_id, self.bos_id, self.eos_id, self.edge_sep_id, self.query_id, self.answer_id = (
             self.n_nodes + k for k in range(len(self.SPECIALS)))
         self.vocab_size = self.n_nodes + len(self.SPECIALS)
@@ -92,7 +92,7 @@ class StarGraphTokenizer:
             if skip_special and t in (self.bos_id, self.eos_id):
                 continue
             words.append(str(t) if 0 <= t < self.n_nodes else
-                         self.SPECIALS[t - self.n_nodes] if t < self.vocab_size else f"<unk:{t}>")
+                         self.SPECIALS[t - self.n_nodes] if self.n_nodes <= t < self.vocab_size else f"<unk:{t}>")
         return " ".join(words)
 
     def parse(self, ids) -> StarGraph:
@@ -174,12 +174,9 @@ class StarLayout:
 
 
 def _check_params(d: int, l: int, n_nodes: int):
-    if int(d) < 1:
-        raise ValueError(f"d must be >= 1, got {d}")
-    if int(l) < 2:
-        raise ValueError(f"l must be >= 2 (the path counts s and g), got {l}")
-    need = 1 + int(d) * (int(l) - 1)
-    if int(n_nodes) < need:
+    d, l = check_int("d", d, 1), check_int("l", l, 2)  # the path counts s and g
+    need = 1 + d * (l - 1)
+    if check_int("n_nodes", n_nodes, 1) < need:
         raise ValueError(f"n_nodes must be >= 1 + d*(l-1) = {need} for G({d}, {l}), got {n_nodes}")
 
 
@@ -208,6 +205,7 @@ def sample_star_graphs(n: int, d: int, l: int, n_nodes: int, rng: np.random.Gene
 def generate_star_graphs(n: int, d: int, l: int, n_nodes: int, seed) -> np.ndarray:
     """n token rows (n, L) int64 of G(d, l) over n_nodes labels; `seed` is an int, a list of
     ints (a numpy SeedSequence entropy) or a numpy Generator."""
+    n = check_int("n", n, 0)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     return StarGraphTokenizer(n_nodes).encode_batch(*sample_star_graphs(n, d, l, n_nodes, rng))
 
@@ -221,15 +219,17 @@ def _mix64(h: np.ndarray) -> np.ndarray:
 
 
 def graph_keys(tokens, d: int, l: int) -> np.ndarray:
-    """A 64-bit key per row (n,) uint64 of the graph and the query, independent of edge order.
-
-    Equal graphs + queries always get equal keys, so excluding by key never lets a test graph into
-    training (even re-shuffled); a false collision (~n^2 / 2^64) only drops a training row.
+    """A 64-bit key per row (n,) uint64 of the graph, its edge set: independent of edge order and
+    of the query. The paper tests on unseen graphs, so a test graph may not reach training with
+    any goal, nor re-shuffled (the edges fix the start; d = 2 makes the other goal's path the
+    other arm). A false collision (~n^2 / 2^64) only drops a training row.
     """
     t = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int64)
-    e3 = 3 * d * (l - 1)
-    edge_codes = np.sort((t[:, 1:e3:3] << 32) + t[:, 2:e3:3], axis=1)  # (n, E), order-free
-    cols = np.concatenate([edge_codes, t[:, e3 + 1:e3 + 3]], axis=1).astype(np.uint64)
+    layout = StarLayout(d, l)
+    if t.ndim != 2 or t.shape[1] != layout.row_length:
+        raise ValueError(f"tokens must be (n, {layout.row_length}) rows of G({d}, {l}), got shape {t.shape}")
+    e3 = 3 * layout.n_edges
+    cols = np.sort((t[:, 1:e3:3] << 32) + t[:, 2:e3:3], axis=1).astype(np.uint64)  # (n, E), order-free
     h = np.full(len(t), 0x9E3779B97F4A7C15, dtype=np.uint64)
     for c in range(cols.shape[1]):
         h = _mix64(h ^ cols[:, c])
@@ -237,10 +237,10 @@ def graph_keys(tokens, d: int, l: int) -> np.ndarray:
 
 
 class StarGraphData(StarLayout, _Batches):
-    """Fixed train/test splits of G(d, l) over n_nodes labels that never share a graph + query.
+    """Fixed train/test splits of G(d, l) over n_nodes labels that never share a graph.
 
-    The test set is drawn first (distinct rows), then train rows equal to a test row (same edge set,
-    start and goal, in any edge order) are dropped and redrawn. Tokens are (n, L) int64 tensors.
+    The test set is drawn first (distinct graphs), then train rows holding a test graph (the same
+    edge set in any order, with any goal) are dropped and redrawn. Tokens are (n, L) int64 tensors.
     """
 
     def __init__(self, d: int, l: int, n_nodes: int, n_train: int, n_test: int, seed: int = 0):
@@ -248,6 +248,7 @@ class StarGraphData(StarLayout, _Batches):
         super().__init__(int(d), int(l))
         self.n_nodes = int(n_nodes)
         self.tokenizer = StarGraphTokenizer(n_nodes)
+        seed = check_int("seed", seed, 0)
         test = _draw_rows(n_test, self, [seed, _TAG_TEST], exclude=None, unique=True, what="n_test")
         self._test_keys = np.sort(graph_keys(test, self.d, self.l))
         train = _draw_rows(n_train, self, [seed, _TAG_TRAIN], exclude=self._test_keys, unique=False,
@@ -276,7 +277,8 @@ class StarGraphData(StarLayout, _Batches):
 
 
 def _epoch_indices(owner, n: int, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    if not 1 <= batch_size <= n:
+    step, seed = check_int("step", step, 0), check_int("seed", seed, 0)
+    if check_int("batch_size", batch_size, 1) > n:
         raise ValueError(f"batch_size must be in 1..{n} (the training rows), got {batch_size}")
     per_epoch = n // batch_size
     epoch, k = divmod(int(step), per_epoch)
@@ -290,8 +292,7 @@ def _epoch_indices(owner, n: int, step: int, batch_size: int, seed: int) -> torc
 def _draw_rows(n: int, layout: StarLayout, entropy, exclude, unique: bool, what: str) -> np.ndarray:
     """n rows from one rng; drops rows whose key is in `exclude` (sorted) and, if `unique`,
     repeats; redraws until there are n."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {n!r}")
+    n = check_int(what, n, 0)
     rng = np.random.default_rng(entropy)
     rows, keys, have = [], [], 0
     seen = np.empty(0, dtype=np.uint64)
@@ -336,9 +337,12 @@ class StarGraphStream(StarLayout, _Batches):
     def __init__(self, d: int, l: int, n_nodes: int, seed: int = 0, exclude=None):
         _check_params(d, l, n_nodes)
         super().__init__(int(d), int(l))
-        self.n_nodes, self.seed = int(n_nodes), int(seed)
+        self.n_nodes, self.seed = int(n_nodes), check_int("seed", seed, 0)
         self.tokenizer = StarGraphTokenizer(n_nodes)
         if isinstance(exclude, StarGraphData):
+            if (exclude.d, exclude.l, exclude.n_nodes) != (self.d, self.l, self.n_nodes):
+                raise ValueError(f"exclude holds G({exclude.d}, {exclude.l}) over {exclude.n_nodes} nodes, "
+                                 f"the stream G({self.d}, {self.l}) over {self.n_nodes}")
             keys = exclude.test_keys
         elif exclude is None:
             keys = np.empty(0, dtype=np.uint64)
@@ -355,8 +359,9 @@ class StarGraphStream(StarLayout, _Batches):
     def batch(self, step: int, batch_size: int, seed: int | None = None) -> torch.Tensor:
         """Fresh rows (batch_size, L) int64 for step `step`, none of them an excluded graph.
         `seed` (default: the stream's) lets a stream stand in for StarGraphData.batch."""
-        seed = self.seed if seed is None else int(seed)
-        rows = _draw_rows(batch_size, self, [seed, _TAG_STREAM, int(step)], self._exclude,
+        seed = self.seed if seed is None else check_int("seed", seed, 0)
+        check_int("batch_size", batch_size, 1)
+        rows = _draw_rows(batch_size, self, [seed, _TAG_STREAM, check_int("step", step, 0)], self._exclude,
                           unique=False, what="batch_size")
         return torch.from_numpy(rows)
 
@@ -376,6 +381,11 @@ def path_accuracy(generate: Callable[[torch.Tensor, int], torch.Tensor], tokens:
     n = len(tokens)
     if n == 0:
         raise ValueError("tokens is empty")
+    prefix_start = check_int("prefix_start", prefix_start, 0)
+    path_len, batch_size = check_int("path_len", path_len, 1), check_int("batch_size", batch_size, 1)
+    if tokens.dim() != 2 or prefix_start + path_len >= tokens.shape[1]:
+        raise ValueError(f"tokens must be (n, L) rows holding prefix_start + 1 + path_len = "
+                         f"{prefix_start + 1 + path_len} tokens, got shape {tuple(tokens.shape)}")
     right_rows = 0
     right_pos = torch.zeros(path_len, dtype=torch.float64)
     for lo in range(0, n, batch_size):
