@@ -5,9 +5,14 @@ line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py                 # needs a CUDA GPU
     python bench/gpu_check.py cuda torch      # one device, only the named backends
+
+A case that raises (e.g. a sampled-pairs case while the C++ extension, which samples, is not
+built) is counted as a failure and the others still run.
 """
+import argparse
 import copy
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -32,10 +37,14 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
     return loss.detach(), torch.autograd.grad(loss * scale, [f, b, *h.parameters()])
 
 
-def main():
-    dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    only = set(sys.argv[2:]) or {"triton", *torch_backend.VARIANTS}
-    failures = 0
+def main(argv=None):
+    names = ["triton", *torch_backend.VARIANTS]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("backends", nargs="*", choices=names, help=f"only these (default: all of {names})")
+    args = ap.parse_args(argv)
+    dev, only = args.device, set(args.backends) or set(names)
+    failures = ran = 0
     cases = [
         dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
         dict(B=2, L=53, m=32, V=3001, hidden=200, n_layers=3, act="silu",
@@ -83,33 +92,49 @@ def main():
                 opts["generator"] = torch.Generator(device="cpu").manual_seed(5)
             scale = 1.7
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
-            ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
-            for dtype in (torch.float32, torch.bfloat16):
-                name = "torch" if backend in torch_backend.VARIANTS else backend
-                with torch_backend.variant(backend if backend in torch_backend.VARIANTS else "torch"):
-                    l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
-                    l2, g2 = run(f, b, tokens, head, dtype, scale, name, **regen())
-                same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
-                el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
-                if dtype == torch.float32:
-                    ok = el < 1e-5 and eg < 1e-4
-                    bound = "1e-5/1e-4"
-                else:
-                    ml, mg = run(f, b, tokens, head, dtype, scale, "reference", **regen())
-                    bl = 2 * rel(ml, ref_l) + 1e-3
-                    # docs/contract.md §6: the torch backend rounds a bf16 parameter's gradient once
-                    # more when grad_output (scale) is not a power of two: 2**-8 more for those
-                    extra = [2.0 ** -8 if name == "torch" and q >= 2 else 0.0 for q in range(len(g1))]  # f, b: none
-                    ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 + e for x, y, z, e in zip(g1, ref_g, mg, extra))
-                    ok = el <= bl and ok_g
-                    bound = (f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
-                             + (" + 2**-8 on the head's" if name == "torch" else ""))
-                ok = ok and same
-                failures += not ok
-                print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
-                      f"(bound {bound}) bitwise-reproducible={same} {'ok' if ok else 'FAIL'}", flush=True)
-    print("all ok" if not failures else f"{failures} FAILED")
+            ran += 1
+            try:
+                failures += check_case(f, b, tokens, head, scale, regen, backend, f"chunk={chunk} case {k}")
+            except Exception:  # one broken case must not hide the others' results
+                traceback.print_exc()
+                print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} raised: FAIL", flush=True)
+                failures += 1
+    if not ran:
+        print("no case ran")
+        return 1
+    print(f"all {ran} cases ok" if not failures else f"{failures} FAILED of {ran} cases")
     return 1 if failures else 0
+
+
+def check_case(f, b, tokens, head, scale, regen, backend, label):
+    """float32 and bf16 runs of one case against the float64 reference: the number that failed."""
+    failures = 0
+    ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
+    for dtype in (torch.float32, torch.bfloat16):
+        name = "torch" if backend in torch_backend.VARIANTS else backend
+        with torch_backend.variant(backend if backend in torch_backend.VARIANTS else "torch"):
+            l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
+            l2, g2 = run(f, b, tokens, head, dtype, scale, name, **regen())
+        same = torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
+        el, eg = rel(l1, ref_l), max(rel(x, y) for x, y in zip(g1, ref_g))
+        if dtype == torch.float32:
+            ok = el < 1e-5 and eg < 1e-4
+            bound = "1e-5/1e-4"
+        else:
+            ml, mg = run(f, b, tokens, head, dtype, scale, "reference", **regen())
+            bl = 2 * rel(ml, ref_l) + 1e-3
+            # docs/contract.md §6: the torch backend rounds a bf16 parameter's gradient once
+            # more when grad_output (scale) is not a power of two: 2**-8 more for those
+            extra = [2.0 ** -8 if name == "torch" and q >= 2 else 0.0 for q in range(len(g1))]  # f, b: none
+            ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 + e for x, y, z, e in zip(g1, ref_g, mg, extra))
+            ok = el <= bl and ok_g
+            bound = (f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
+                     + (" + 2**-8 on the head's" if name == "torch" else ""))
+        ok = ok and same
+        failures += not ok
+        print(f"{backend:13} {type(head).__name__:18} {label} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "
+              f"(bound {bound}) bitwise-reproducible={same} {'ok' if ok else 'FAIL'}", flush=True)
+    return failures
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@
     python bench/pairs.py --device cuda --dtype bfloat16 --hidden 512 --layers 2 3 --vocab 1000 32000 --batch 32
     python bench/pairs.py --head mlp swiglu --backends all      # both heads, every backend that takes each
 
-Forward + backward of the loss alone (f, b are leaves). Reports pairs/s, GFLOP/s of the per-pair head
-work (6 |P| h_last 2V: logits, their input gradient and the weight gradient; h_last = m for the
-swiglu head, whose lm_head maps each m-wide half to V) and peak memory growth; prints a table,
-writes bench/results/<device>.json (<device>-<heads>.json for other heads) and a PNG plot beside it.
+Forward + backward of the loss alone (f, b are leaves). Reports the median time of --reps runs
+after a warm-up (on the CPU one run at the largest shapes), pairs/s, GFLOP/s of per-pair head work
+(6 |P| x the multiply-adds per pair of the GEMMs counted: for mlp the output layer, h 2V, as
+always; for swiglu its Down projection and lm_head, 2m hidden + m 2V, the gate/up projection being
+per token) and the peak memory growth of one run, gradients included (every backend starts with
+none); prints a table, writes bench/results/<device>.json (<device>-<heads>.json for other heads)
+and a PNG plot beside it (if matplotlib is installed).
 
 --head mlp is TextHead (--hidden, --layers); --head swiglu is ResidualSwiGLUHead (the official BST
 head, SwiGLU width from --swiglu-hidden or its default 8*2m/3 rounded to 128). The materialised
@@ -113,12 +116,18 @@ def timed(fn, device, reps):
     return statistics.median(times), mem.growth
 
 
-def mm_rate(device, dtype, h, two_v):
-    """The machine's torch.mm GFLOP/s at the head's output-layer shape."""
-    a = torch.randn(4096, h, device=device, dtype=dtype)
-    w = torch.randn(h, two_v, device=device, dtype=dtype)
-    sec, _ = timed(lambda: a @ w, device, 10)
-    return 2 * 4096 * h * two_v / sec / 1e9
+def mm_rate(device, dtype, k, n, m=4096, inner=50):
+    """The machine's torch.mm GFLOP/s for (m x k) @ (k x n): `inner` products between two
+    synchronisations, so one product's launch and the host clock do not count (a single ~30 us
+    product timed alone read 12% low on an H200)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+
+    def many():
+        for _ in range(inner):
+            a @ w
+    sec, _ = timed(many, device, 5)
+    return 2 * m * k * n * inner / sec / 1e9
 
 
 def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
@@ -129,14 +138,17 @@ def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
 
 
 def make_head(kind, args, layers, V):
-    """(head, h_last: the width its output layer reads, materialised bytes per pair beyond the logits)."""
+    """(head, h_last: the width its output layer reads, the multiply-adds per pair counted in
+    GFLOP/s, materialised bytes per pair beyond the logits)."""
     m, h = args.d_model, args.hidden
     itemsize = torch.finfo(getattr(torch, args.dtype)).bits // 8
     if kind == "swiglu":
         head = ResidualSwiGLUHead(m, V, hidden=args.swiglu_hidden)
         # [f;b], gate_up, silu(gate), silu*up, Down, the residual sum and the norm, all saved
-        return head, m, itemsize * (8 * m + 4 * head.hidden)
-    return TextHead(m, V, hidden=h, n_layers=layers, activation="gelu"), h, 4 * m + 4 * h * (layers - 1)
+        return head, m, head.hidden * 2 * m + m * 2 * V, itemsize * (8 * m + 4 * head.hidden)
+    # [f;b], and each hidden layer's input and activation
+    head = TextHead(m, V, hidden=h, n_layers=layers, activation="gelu")
+    return head, h, h * 2 * V, itemsize * (2 * m + 2 * h * (layers - 1))
 
 
 def backends_for(args, kind, head, f):
@@ -161,7 +173,7 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
     dev, dtype = args.device, getattr(torch, args.dtype)
     B, L, m = args.batch, T + 2, args.d_model
     torch.manual_seed(0)
-    head, h, extra = make_head(kind, args, layers, V)
+    head, h, macs, extra = make_head(kind, args, layers, V)
     head = head.to(dev, dtype)
     f = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
     b = torch.randn(B, L, m, device=dev, dtype=dtype, requires_grad=True)
@@ -177,6 +189,9 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         rows.append(dict(method=method, head=kind, T=T, layers=layers, V=V, note=text))
 
     def record(method, fn, reps, pairs=n_pairs):
+        # No gradients held from the case before: the peak of each then counts its own.
+        f.grad = b.grad = None
+        head.zero_grad(set_to_none=True)
         try:
             sec, mem = timed(fn, dev, reps)
         except torch.OutOfMemoryError:
@@ -184,8 +199,8 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
             torch.cuda.empty_cache()
             return note(method, "out of memory")
         rows.append(dict(method=method, head=kind, T=T, B=B, layers=layers, V=V, h=h, m=m, dtype=args.dtype,
-                         pairs=pairs, seconds=sec, pairs_per_s=pairs / sec,
-                         gflops=6 * pairs * h * 2 * V / sec / 1e9, peak_mem_mb=mem / 2**20))
+                         pairs=pairs, reps=reps, seconds=sec, pairs_per_s=pairs / sec,
+                         gflops=6 * pairs * macs / sec / 1e9, peak_mem_mb=mem / 2**20))
         r = rows[-1]
         print(f"  {method:<16} T={T:<5} {kind} layers={layers} V={V:<6} {sec * 1e3:10.1f} ms "
               f"{r['pairs_per_s']:12.3e} pairs/s {r['gflops']:8.1f} GFLOP/s {r['peak_mem_mb']:9.1f} MB", flush=True)
@@ -207,8 +222,10 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
                     belief_state_loss(f, b, tokens, head, backend=name, **kw).backward()
         return step
 
-    reps = args.reps if n_pairs * h * V < 5e10 else 1
+    # On the CPU the largest shapes take seconds a run: one timed run there.
+    reps = args.reps if dev == "cuda" or n_pairs * h * V < 5e10 else 1
     backends = backends_for(args, kind, head, f)
+    first = next((n for n, why in backends if why is None), None)  # the one also timed subsampled
     for backend, why in backends:
         if why is not None:
             note(backend, f"not applicable: {why}")
@@ -220,7 +237,7 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         if args.forward:
             record(f"{backend} fwd", fused(backend, forward_only=True), reps)
         record(backend, fused(backend), reps)
-        if T == args.subsample_T and backend == backends[0][0]:
+        if T == args.subsample_T and backend == first:
             sampled = int(torch.round(0.02 * counts.double()).clamp(min=1).sum())  # k_r of docs/contract.md §5
             record(f"{backend} pairs=0.02", fused(backend, pairs=0.02, generator=torch.Generator().manual_seed(0)),
                    args.reps, pairs=sampled)
@@ -261,7 +278,11 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
 
 
 def plot(rows, path, title):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot {path}")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -282,6 +303,7 @@ def plot(rows, path, title):
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main(argv=None):
@@ -308,25 +330,23 @@ def main(argv=None):
     ap.add_argument("--subsample-T", type=int, default=256, help="T at which pairs=0.02 is also timed")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--mem-limit-gb", type=float, default=None,
-                    help="skip the materialised objective above this estimate (default: 60%% of free memory)")
+                    help="skip the materialised objective above this estimate (default: 60%% of free memory "
+                         "on the CPU, 85%% on a GPU, where the estimate runs high and running out is caught)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = ap.parse_args(argv)
     if args.mem_limit_gb is None:
         if args.device == "cuda":
-            free = torch.cuda.mem_get_info()[0]
+            # SwiGLU at B=32, T=256 was estimated at 52.6 GB and held 46.7: an 80 GB card must run it
+            args.mem_limit_gb = round(0.85 * torch.cuda.mem_get_info()[0] / 2**30, 1)
         else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        args.mem_limit_gb = round(0.6 * free / 2**30, 1)
+            args.mem_limit_gb = round(0.6 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
 
     name = device_name(args.device)
     print(f"device: {name}  threads: {torch.get_num_threads()}  torch {torch.__version__}  dtype {args.dtype}")
     compiled = None if args.no_compile else torch.compile(materialised, dynamic=True)
     rows, rates = [], {}
     if args.device == "cuda":  # the card's own peak for this dtype, at a shape that fills it
-        a = torch.randn(8192, 8192, device="cuda", dtype=getattr(torch, args.dtype))
-        sec, _ = timed(lambda: a @ a, "cuda", 10)
-        rates["peak"] = 2 * 8192**3 / sec / 1e9
-        del a
+        rates["peak"] = mm_rate("cuda", getattr(torch, args.dtype), 8192, 8192, m=8192, inner=10)
         print(f"torch.mm at 8192^3: {rates['peak']:.1f} GFLOP/s")
     # (head, layers): TextHead at each --layers, the swiglu head once
     heads = [(k, n) for k in args.head for n in (args.layers if k == "mlp" else [None])]
@@ -381,13 +401,13 @@ def main(argv=None):
         print(f"\n{s['backend']} at T={s['T']}, {shape}, V={s['V']}: "
               + ", ".join(f"{k}={v:.3g}" for k, v in s.items() if k not in ("T", "head", "layers", "V", "backend")))
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.head == ["mlp"] else "-" + "-".join(args.head)
     out = Path(args.out) if args.out else RESULTS / f"{name}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=name, threads=torch.get_num_threads(), torch=torch.__version__, args=vars(args))
     out.write_text(json.dumps(dict(meta=meta, mm_gflops=rates, rows=rows, summary=summary), indent=1))
-    plot(rows, out.with_suffix(".png"), f"{name}, B={args.batch}, m={args.d_model}, h={args.hidden}, {args.dtype}")
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    plotted = plot(rows, out.with_suffix(".png"), f"{name}, B={args.batch}, m={args.d_model}, h={args.hidden}, {args.dtype}")
+    print(f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main():
     ap.add_argument("--head", choices=["mlp", "swiglu"], default="mlp",
                     help="mlp: TextHead (--hidden, --head-layers); swiglu: ResidualSwiGLUHead (default width)")
     ap.add_argument("--vocab", type=int, default=None, help="1000 on cuda, 50 on cpu")
-    ap.add_argument("--backend", default=None, help="belief_state_loss backend: triton on cuda, torch on cpu")
+    ap.add_argument("--backend", default=None, help="belief_state_loss backend (default: auto on cuda, torch on cpu)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps after 2 warm-up steps")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
@@ -152,7 +152,7 @@ def main():
 
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"{name}-profile" + ("-swiglu" if a.head == "swiglu" else ""))
-    prof.export_chrome_trace(base + ".json")
+    prof.export_chrome_trace(base + ".trace.json")  # large: kept out of git and of gpu.sh's ARCHIVE
     key = "cuda_time_total" if gpu else "cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     shape = f"swiglu {head.hidden}" if a.head == "swiglu" else f"{a.head_layers}x{h}"
@@ -162,7 +162,7 @@ def main():
         fh.write(head_line + phase_table + "\n" + table + "\n")
     print(head_line + table)
     print(phase_table)
-    print(f"wrote {base}.json and {base}.txt")
+    print(f"wrote {base}.trace.json and {base}.txt")
 
 
 if __name__ == "__main__":
