@@ -259,6 +259,8 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     # candidates are scored whole: prompt, generated tokens, goal and EOS in both encoders
     _check_room(model, "the prompt, horizon, goal and EOS", len(prompt) + horizon + len(goal) + 1)
     search = searcher(model, eos_id)
+    if isinstance(search, ForwardSearch):  # before the roll-outs, not after them
+        raise ValueError("planning scores its candidates with the Next/Prev heads: it needs a Belief State Transformer")
     end = len(prompt) + horizon
     queue = [(-1.0, 0, prompt)]  # (-priority, push order, sequence): heapq pops the smallest
     pushed, candidates = 1, []

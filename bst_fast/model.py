@@ -25,7 +25,9 @@ class ModelConfig:
     n_head: int = 4  # attention heads; d_model must divide by it
     mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
     dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: see README)
-    shared_encoders: bool = False  # one encoder for both directions, told apart by a segment embedding
+    # one encoder for both directions, told apart by a segment embedding added once to the input
+    # (the paper: "in each transformer residual block"; the official code has no shared variant)
+    shared_encoders: bool = False
     head_type: str = "mlp"  # "mlp": TextHead (the paper's); "swiglu": ResidualSwiGLUHead (the official code's)
     head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
     head_layers: int = 2  # TextHead Linear layers

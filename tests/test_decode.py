@@ -155,6 +155,7 @@ def test_cached_decoding_equals_full_reencoding(kind):
     (lambda m: decode.plan(m, [4] * 20, [1, 2, 3], horizon=1, eos_id=EOS), "max_len"),
     (lambda m: decode.sample(m, [4, 0], 2, EOS, goal=[1] * 24), "goal and EOS"),
     (lambda m: decode.BSTSearch(m, EOS).score(torch.zeros(1, 5, dtype=torch.long), 1, "nxt"), "head"),
+    (lambda m: decode.plan(tiny_forward(), [4, 0], (), horizon=2, rollouts=3, eos_id=EOS), "Belief State Transformer"),
     (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([0])), "lengths"),
     (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([4])), "lengths"),
     (lambda m: decode.probe_future_tokens(m, torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, 5, dtype=torch.long),
