@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import math
+
 import numpy as np
 import torch
 
@@ -316,8 +318,13 @@ def _draw_rows(n: int, layout: StarLayout, entropy, exclude, unique: bool, what:
         if unique:
             seen = np.concatenate([seen, k])
     if have < n:
-        raise ValueError(f"{what}={n} is more than G({layout.d}, {layout.l}) over "
-                         f"{layout.n_nodes} nodes can supply (after excluding test graphs)")
+        # distinct graphs: a start, then the arms' labels in order, the d arms unordered
+        k = 1 + layout.d * (layout.l - 1)
+        graphs = math.perm(layout.n_nodes, k) // math.factorial(layout.d)
+        raise ValueError(f"{what}={n}: {_MAX_ROUNDS} rounds of draws did not find enough graphs"
+                         + (" not held out for testing" if exclude is not None and len(exclude) else "")
+                         + f"; G({layout.d}, {layout.l}) over {layout.n_nodes} nodes has {graphs} distinct graphs"
+                         + (" (a test set draws each at most once)" if unique else ""))
     return np.concatenate(rows) if rows else np.empty((0, layout.row_length), dtype=np.int64)
 
 
