@@ -33,11 +33,14 @@ def _vocab_size(head, m, device, dtype):
 def _check_head(head, f):
     if not isinstance(head, nn.Module):
         raise ValueError(f"head must be an nn.Module, got {type(head).__name__}")
+    if not torch.is_tensor(f):
+        return  # prepare names f's own problem
     d = getattr(head, "d_model", None)  # TextHead's and ResidualSwiGLUHead's width m
     if isinstance(d, int) and f.dim() == 3 and d != f.shape[-1]:
         raise ValueError(f"head.d_model ({d}) must equal the last dimension m of f ({f.shape[-1]})")
     for name, q in head.named_parameters():
-        if q.dtype != f.dtype:
+        # an integer f is prepare's error to name ("f must be floating point"), not a dtype mismatch
+        if q.dtype != f.dtype and f.dtype.is_floating_point:
             raise ValueError(f"head parameter {name} must have the dtype of f ({f.dtype}), got {q.dtype}")
         if q.device != f.device:
             raise ValueError(f"head parameter {name} must be on the device of f ({f.device}), got {q.device}")

@@ -135,6 +135,7 @@ def test_only_some_inputs_require_grad(wrt, backend):
                             lengths=torch.tensor([13, 4, 10]))
 
 
+# (for the reference only the frozen layer's missing .grad is a check: it is the oracle of the rest)
 @pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
 def test_partly_frozen_head_backward(backend):
     """.backward() with the first layer frozen: it gets no .grad; the rest match the reference."""
@@ -176,6 +177,30 @@ def test_no_grad_computes_no_gradient(monkeypatch):
     assert calls == []
     belief_state_loss(f, b, tokens, head, backend="torch")
     assert calls  # and with grad enabled it does
+
+
+def test_no_grad_asks_the_cpp_engine_for_no_gradient(monkeypatch):
+    """Under torch.no_grad the C++ engine is told need_grad=False (it then skips every gradient)."""
+    import types
+
+    from bst_fast.backends import cpp_backend
+
+    f, b, tokens, head = make_inputs(seed=472)
+    f.requires_grad_()
+    asked = []
+
+    class Torch:  # cpp_backend's `torch`, its op spied on (the op itself cannot be replaced)
+        ops = types.SimpleNamespace(bst_fast=types.SimpleNamespace(
+            pair_loss=lambda *a: asked.append(a[-1]) or torch.ops.bst_fast.pair_loss(*a)))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+    monkeypatch.setattr(cpp_backend, "torch", Torch())
+    with torch.no_grad():
+        belief_state_loss(f, b, tokens, head, backend="cpp")
+    belief_state_loss(f, b, tokens, head, backend="cpp")
+    assert asked == [False, True]
+
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "reference", "triton"])

@@ -102,7 +102,9 @@ def full_next_logits(model, seq, goal):
     if isinstance(model, ForwardOnly):
         return model.lm_head(model.forward_encoder(seq))[0, -1]
     f = model.prefix_states(seq)[0, -1]
-    return model.logits(f, decode.BSTSearch(model, EOS).goal_state(goal))[0]
+    # the goal state built here, not by the BSTSearch under test: B(goal + EOS) at its first token
+    b = model.suffix_states(torch.tensor([list(goal) + [EOS]]))[0, 0]
+    return model.logits(f, b)[0]
 
 
 @pytest.mark.parametrize("kind", ["bst", "bst_shared", "bst_swiglu", "forward"])
@@ -288,6 +290,23 @@ def test_known_goal_score_and_plan_on_a_real_model():
         # The plan is a candidate whose hand-computed score is the highest (up to the rounding above).
         chosen = [k for k, c in enumerate(result.candidates) if c.tolist() == result.best.tolist()]
         assert len(chosen) == 1 and want[chosen[0]] >= max(want) - 1e-4 * abs(max(want)) - 1e-5
+
+
+def test_unknown_goal_score_on_a_real_model_is_the_prev_heads():
+    # Without a goal, each candidate's score is the Prev head's log-probability of its last
+    # `score_last` tokens, each given the prefix before it and the rest (+ EOS) as suffix.
+    model = tiny_bst(seed=1)
+    prompt, horizon, last = [4, 0], 3, 2
+    result = decode.plan(model, prompt, (), horizon=horizon, rollouts=4, eos_id=EOS, score_last=last)
+    end = len(prompt) + horizon
+    with torch.no_grad():
+        for cand, score in zip(result.candidates, result.scores.tolist()):
+            row = torch.tensor([cand.tolist() + [EOS]])
+            f, b = model.prefix_states(row)[0], model.suffix_states(row)[0]
+            prev = [float(F.log_softmax(model.logits(f[p - 1], b[p + 1])[1], -1)[row[0, p]]) for p in range(end - last, end)]
+            nxt = [float(F.log_softmax(model.logits(f[p - 1], b[p + 1])[0], -1)[row[0, p]]) for p in range(end - last, end)]
+            assert math.isclose(score, sum(prev), rel_tol=1e-4, abs_tol=1e-5)
+            assert not math.isclose(sum(prev), sum(nxt), rel_tol=1e-3)  # the heads differ: the test can tell
 
 
 def test_belief_states_and_probe_known_cases():

@@ -59,7 +59,7 @@ BAD = {
     "b_width": (lambda x: dict(b=_randn(B, L, m + 1)), ValueError, r"\bb\b"),
     "head_d_model": (lambda x: dict(head=make_head(m + 1, V, hidden=6)), ValueError, "d_model"),
     "swiglu_head_d_model": (lambda x: dict(head=ResidualSwiGLUHead(m + 1, V, hidden=6)), ValueError, "d_model"),
-    "f_int": (lambda x: dict(f=x[0].long(), b=x[1].long()), ValueError, r"\bf\b|dtype"),
+    "f_int": (lambda x: dict(f=x[0].long(), b=x[1].long()), ValueError, "f must be floating point"),
     "b_dtype": (lambda x: dict(b=x[1].double()), ValueError, r"\bb\b.*dtype"),
     "head_dtype": (lambda x: dict(head=make_head(m, V, hidden=6).double()), ValueError, "head.*dtype"),
     "head_not_module": (lambda x: dict(head=lambda z: z), ValueError, "head"),
@@ -252,13 +252,31 @@ OP_BAD = {
     "pair_j_beyond_L": {**_LIST, "row": torch.tensor([0, 0]), "j": torch.tensor([3, 100])},
     "pair_gap_too_small": {**_LIST, "j": torch.tensor([1, 6])},
     "pair_i_before_prefix_start": {**_LIST, "i": torch.tensor([0, 0]), "j": torch.tensor([3, 4])},
-    "pair_i_negative": {**_LIST, "i": torch.tensor([-4, 2]), "j": torch.tensor([-1, 6]), "prefix_start": torch.tensor([-5, 0])},
+    "pair_i_negative": {**_LIST, "i": torch.tensor([-1, 2]), "j": torch.tensor([3, 6])},
+}
+# What each case's error says: the check it is named after, not an earlier one.
+OP_MATCH = {
+    "A_2d": r"A must be \(B, L, h1\)", "Bm_shape": "Bm must have the shape of A", "A_double": "must be float32",
+    "A_half": "must be float32", "no_weights": "at least the output layer", "weights_biases_count": "one entry per layer",
+    "weight_in_width": r"weights\[0\] must be", "weight_chain": r"weights\[1\] must be", "bias_width": r"biases\[0\]",
+    "odd_output": "2V outputs", "weight_double": r"weights\[0\] must be", "tokens_shape": r"tokens must be int64 CPU \(2, 9\), got \[2, 8\]",
+    "tokens_int32": "tokens must be int64", "token_negative": r"tokens\[0, 0\] = -1", "token_too_big": r"tokens\[0, 0\] = 4",
+    "lengths_above_L": r"lengths\[0\] must lie", "lengths_negative": r"lengths\[1\] must lie",
+    "lengths_shape": r"got \[1\]", "lengths_int32": "lengths and prefix_start must be int64",
+    "prefix_start_negative": r"prefix_start\[1\] must be >= 0", "prefix_start_shape": r"got \[3\]",
+    "min_gap_1": "min_gap must be >= 2", "max_gap_below_min_gap": "max_gap must be >= min_gap", "next_weight": "next_weight",
+    "activation": "activation must be one of", "weight_not_scalar": "weight must be a 0-dim", "row_without_i": "given together",
+    "pair_list_weight_count": "one entry per pair", "pair_list_lengths_differ": "vectors of one length",
+    "pair_list_int32": "vectors of one length",
+    **{case: rf"pair {k} = .* is not a valid pair" for case, k in (
+        ("pair_row_out_of_range", 1), ("pair_row_negative", 0), ("pair_j_beyond_length", 1), ("pair_j_beyond_L", 1),
+        ("pair_gap_too_small", 0), ("pair_i_before_prefix_start", 1), ("pair_i_negative", 0))},
 }
 
 
 @pytest.mark.parametrize("case", list(OP_BAD))
 def test_pair_loss_op_bad_input(case):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=OP_MATCH[case]):
         torch.ops.bst_fast.pair_loss(*_op_args(**OP_BAD[case]))
 
 

@@ -5,6 +5,8 @@ Every backend reads its pairs from `prepare`, so an error in `prepare` (the gap 
 the weights) moves all of them together and comparisons between backends cannot see it. Here the
 pair set comes from nested loops over (i, j) with each rule of docs/contract.md §2 spelled out."""
 import copy
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -162,15 +164,13 @@ def test_all_pairs_sum_equals_brute_force_explicit_pairs(backend, seed, loss_cas
     """Every backend's all-pairs reduction="sum" loss equals the float64 loss over the brute-force
     list passed as explicit pairs (docs/contract.md §6: float32 within 1e-5)."""
     f, b, tokens, head, opts, want = loss_cases[seed]
-    try:
-        with torch.no_grad():
-            got = belief_state_loss(f, b, tokens, head, backend=backend, **opts)
-    except ImportError as e:  # a backend built on an optional package (triton) that is missing
-        pytest.skip(f"backend {backend!r} cannot be imported here: {e}")
-    except ValueError as e:
-        if "cuda" in str(e).lower():
-            pytest.skip(f"backend {backend!r} needs CUDA: {e}")
-        raise
+    if backend == "triton":  # skipped only where it cannot run at all; any other error fails
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the triton backend needs CUDA or TRITON_INTERPRET=1")
+    with torch.no_grad():
+        got = belief_state_loss(f, b, tokens, head, backend=backend, **opts)
     assert rel_err(got, want) < 1e-5, f"{backend}: {float(got)} vs brute force {float(want)}"
 
 
