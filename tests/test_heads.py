@@ -521,6 +521,8 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
     rows = [r.split(",") for r in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     losses = [float(v) for _, key, v in rows if key == "loss"]
     assert losses[-1] < losses[0] - 0.3, losses  # it learns
+    from bst_fast.trainer import load_model
+    assert isinstance(load_model(tmp_path)[0].head, ResidualSwiGLUHead)  # and it was this head that did
 
 
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])
