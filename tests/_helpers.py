@@ -141,3 +141,23 @@ class SwiGLUHead(nn.Module):
         x = self.inp(x)
         x = x + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
         return self.out(self.norm(x))
+
+
+def tiny_weight_float16_errors(pair_loss, f, b, tokens, head, V, scale):
+    """(loss error, [gradient errors of f, b and the head's parameters]) of a backend's
+    `pair_loss(f, b, tokens, head, p, 0.5)` in float16 against float64, every pair of the rows
+    weighed by `scale` (tiny: a mean over very many pairs)."""
+    from bst_fast import _pairs, reference
+
+    p = _pairs.prepare(f, b, tokens, V, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
+                       pairs=None, next_weight=0.5, reduction="sum", generator=None)
+    p.scale = torch.tensor(scale, dtype=torch.float64)
+    h64 = copy.deepcopy(head).double()
+    f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
+    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.5, V)
+    ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
+    h16 = copy.deepcopy(head).half()
+    f16, b16 = f.half().requires_grad_(), b.half().requires_grad_()
+    out = pair_loss(f16, b16, tokens, h16, p, 0.5)
+    g = torch.autograd.grad(out, [f16, b16, *h16.parameters()])
+    return rel_err(out, ref), [rel_err(x, y) for x, y in zip(g, ref_g)]
