@@ -21,7 +21,9 @@ import torch
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _helpers import bf16_head_draw  # noqa: E402
+from bst_fast import TextHead, belief_state_loss  # noqa: E402
 from bst_fast._pairs import ACTIVATIONS  # noqa: E402
 
 
@@ -55,17 +57,7 @@ def breaks(f, b, tokens, head, go, extra, **opts):
 def heads_set(draws):
     counts = {}
     for seed in range(draws):
-        g = torch.Generator().manual_seed(1000 + seed)
-        B, L, m, V = 3, 12, 6, 37
-        f = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16().double()
-        b = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16().double()
-        tokens = torch.randint(0, V, (B, L), generator=g)
-        torch.manual_seed(seed)
-        head = TextHead(m, V, hidden=[9, 6], n_layers=3) if seed % 2 == 0 else ResidualSwiGLUHead(m, V, hidden=10, bias=True)
-        with torch.no_grad():
-            for name, q in head.named_parameters():
-                q.copy_(torch.randn(q.shape) * 0.6 + (1.0 if name == "norm.weight" else 0.0))
-        head = head.bfloat16().double()
+        f, b, tokens, head = bf16_head_draw(seed)  # the tests' draws (bf16 values; each run casts them)
         for red in ("mean", "sum"):
             for go in (1.0, 0.7):
                 for extra in ((0.0,) if go == 1.0 else (0.0, 2.0 ** -8)):

@@ -181,18 +181,52 @@ def _as_row_vector(x, name, B, device):
     return x.to(device=device, dtype=torch.int64).contiguous()  # kernels read it with stride 1
 
 
+def row_problems(tokens, lengths, vocab_size):
+    """Two masks, no synchronisation: lengths outside [0, L], and ids outside [0, vocab_size) at
+    valid positions (every token a row can use as a label; padding is not checked)."""
+    L = tokens.shape[1]
+    valid = torch.arange(L, device=tokens.device)[None] < lengths.clamp(0, L)[:, None]
+    return (lengths < 0) | (lengths > L), valid & ((tokens < 0) | (tokens >= vocab_size))
+
+
+def _raise_length(lengths, bad_len, L):
+    r = int(bad_len.nonzero()[0])
+    _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
+
+
+def _raise_token(tokens, bad_tok, vocab_size):
+    r, t = (int(x) for x in bad_tok.nonzero()[0])
+    _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+
+
+def check_rows(tokens, lengths, vocab_size):
+    """row_problems as errors naming the argument (one host read of both flags)."""
+    bad_len, bad_tok = row_problems(tokens, lengths, vocab_size)
+    flags = torch.stack([bad_len.any(), bad_tok.any()]).tolist()
+    if flags[0]:
+        _raise_length(lengths, bad_len, tokens.shape[1])
+    if flags[1]:
+        _raise_token(tokens, bad_tok, vocab_size)
+
+
+def check_f(f):
+    """f is a floating-point (B, L, m) tensor: the first check of belief_state_loss (the head's
+    checks read f's width and dtype) and of prepare."""
+    if not torch.is_tensor(f) or f.dim() != 3:
+        _fail(ValueError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
+    if not f.dtype.is_floating_point:
+        _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
+
+
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
             next_weight, reduction, generator, op_checks=False) -> Pairs:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
     torch.compile they are skipped here and the traced graph has no break."""
-    if not torch.is_tensor(f) or f.dim() != 3:
-        _fail(ValueError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
+    check_f(f)
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
         _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
-    if not f.dtype.is_floating_point:
-        _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
     if b.dtype != f.dtype:
         _fail(ValueError, f"b must have the dtype of f ({f.dtype}), got {b.dtype}")
     if b.device != f.device:
@@ -231,22 +265,17 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
     checking = not (op_checks and torch.compiler.is_compiling()) or sampled
     if checking:
-        bad_len = (lengths < 0) | (lengths > L)
+        bad_len, bad_tok = row_problems(tokens, lengths, vocab_size)
         bad_start = prefix_start < 0
-        # Every token a row can use as a label must be a vocabulary index; padding is not checked.
-        valid = torch.arange(L, device=dev)[None] < lengths.clamp(0, L)[:, None]
-        bad_tok = valid & ((tokens < 0) | (tokens >= vocab_size))
         no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
         any_bad = torch.stack([bad_len.any(), bad_start.any(), bad_tok.any(), no_pair]).tolist()  # one sync
         if any_bad[0]:
-            r = int(bad_len.nonzero()[0])
-            _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
+            _raise_length(lengths, bad_len, L)
         if any_bad[1]:
             r = int(bad_start.nonzero()[0])
             _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
         if any_bad[2]:
-            r, t = (int(x) for x in bad_tok.nonzero()[0])
-            _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+            _raise_token(tokens, bad_tok, vocab_size)
         if any_bad[3]:
             _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     prefix_start = prefix_start.clamp(max=L)

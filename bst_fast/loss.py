@@ -33,14 +33,11 @@ def _vocab_size(head, m, device, dtype):
 def _check_head(head, f):
     if not isinstance(head, nn.Module):
         raise ValueError(f"head must be an nn.Module, got {type(head).__name__}")
-    if not torch.is_tensor(f):
-        return  # prepare names f's own problem
     d = getattr(head, "d_model", None)  # TextHead's and ResidualSwiGLUHead's width m
-    if isinstance(d, int) and f.dim() == 3 and d != f.shape[-1]:
+    if isinstance(d, int) and d != f.shape[-1]:
         raise ValueError(f"head.d_model ({d}) must equal the last dimension m of f ({f.shape[-1]})")
     for name, q in head.named_parameters():
-        # an integer f is prepare's error to name ("f must be floating point"), not a dtype mismatch
-        if q.dtype != f.dtype and f.dtype.is_floating_point:
+        if q.dtype != f.dtype:
             raise ValueError(f"head parameter {name} must have the dtype of f ({f.dtype}), got {q.dtype}")
         if q.device != f.device:
             raise ValueError(f"head parameter {name} must be on the device of f ({f.device}), got {q.device}")
@@ -75,11 +72,10 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
     """
-    if not torch.is_tensor(f):
-        raise ValueError(f"f must be a (B, L, m) tensor, got {type(f).__name__}")
+    _pairs.check_f(f)  # the head's checks read f's width and dtype
     _check_head(head, f)
     chosen = pick(backend, head, f)
-    V = _vocab_size(head, f.shape[-1] if f.dim() == 3 else 1, f.device, f.dtype)
+    V = _vocab_size(head, f.shape[-1], f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
                        generator=generator, op_checks=chosen.fused)

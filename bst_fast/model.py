@@ -10,7 +10,7 @@ from torch import nn
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int
-from ._pairs import _as_row_vector
+from ._pairs import _as_row_vector, check_rows
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -148,17 +148,7 @@ def full_lengths(tokens, lengths=None, vocab_size=None):
     given = lengths is not None
     lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)
     if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and (given or vocab_size is not None):
-        bad = ((lengths < 0) | (lengths > L)).nonzero()
-        if len(bad):
-            r = int(bad[0])
-            raise ValueError(f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
-        if vocab_size is not None:
-            valid = torch.arange(L)[None] < lengths[:, None]
-            bad = (valid & ((tokens < 0) | (tokens >= vocab_size))).nonzero()
-            if len(bad):
-                r, t = (int(x) for x in bad[0])
-                raise ValueError(f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, "
-                                 f"got tokens[{r}, {t}] = {int(tokens[r, t])}")
+        check_rows(tokens, lengths, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
     return lengths
 
 
@@ -223,9 +213,12 @@ class BeliefStateTransformer(nn.Module):
 
     def suffix_states(self, tokens, lengths=None):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
+        return self._suffix_states(tokens, full_lengths(tokens, lengths, self.cfg.vocab_size))
+
+    def _suffix_states(self, tokens, lengths):
+        """suffix_states of a batch forward has checked: (B,) lengths."""
         if self.suffix_constant is not None:
             return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
-        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         rev, idx = reverse_valid(tokens, lengths)
         if self.backward_encoder is None:
             states = self.forward_encoder(rev, segment=1)
@@ -256,7 +249,7 @@ class BeliefStateTransformer(nn.Module):
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         f = self.prefix_states(tokens)
-        b = self.suffix_states(tokens, lengths)
+        b = self._suffix_states(tokens, lengths)
         red = "mean" if pair_total is None else "sum"
         belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
                                    pairs=pairs, next_weight=next_weight, reduction=red,

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from bst_fast import TextHead, belief_state_loss
+from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss
 
 # docs/contract.md §6 tolerances against the float64 reference.
 TOL = {
@@ -161,3 +161,21 @@ def tiny_weight_float16_errors(pair_loss, f, b, tokens, head, V, scale):
     out = pair_loss(f16, b16, tokens, h16, p, 0.5)
     g = torch.autograd.grad(out, [f16, b16, *h16.parameters()])
     return rel_err(out, ref), [rel_err(x, y) for x, y in zip(g, ref_g)]
+
+
+def bf16_head_draw(seed):
+    """(f, b, tokens, head), all bfloat16: B=3, L=12, m=6, V=37; a TextHead (hidden [9, 6], 3
+    layers) for an even seed, the SwiGLU head with a LayerNorm for an odd one, parameters
+    N(0, 0.36) (norm weights about 1). The draws of test_heads' bf16 gradient test, which
+    bench/half_precision.py counts."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    B, L, m, V = 3, 12, 6, 37
+    f = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16()
+    b = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16()
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    torch.manual_seed(seed)
+    head = TextHead(m, V, hidden=[9, 6], n_layers=3) if seed % 2 == 0 else ResidualSwiGLUHead(m, V, hidden=10, bias=True)
+    with torch.no_grad():
+        for name, q in head.named_parameters():
+            q.copy_(torch.randn(q.shape) * 0.6 + (1.0 if name == "norm.weight" else 0.0))
+    return f, b, tokens, head.bfloat16()

@@ -503,7 +503,8 @@ def _models():
 def test_model_forward_checks_the_batch_before_the_encoders(kwargs, match):
     for model in _models():
         args = dict(tokens=torch.ones(2, 9, dtype=torch.long), lengths=None) | kwargs
-        with pytest.raises(ValueError, match=match):
+        # an id outside the vocabulary is an IndexError, as belief_state_loss raises it
+        with pytest.raises(IndexError if "vocab_size" in match else ValueError, match=match):
             model(args["tokens"], args["lengths"])
 
 

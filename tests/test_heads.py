@@ -17,7 +17,7 @@ from bst_fast.backends import torch_backend
 from bst_fast.head import PairParts, split_linear, swiglu, swiglu_grad, swiglu_hidden
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
-                      random_grad_out, reference64, rel_err, tiny_weight_float16_errors)
+                      bf16_head_draw, random_grad_out, reference64, rel_err, tiny_weight_float16_errors)
 
 
 @pytest.fixture(params=["torch_ops", "triton"])
@@ -641,17 +641,7 @@ def test_bf16_parameter_gradients_take_the_pair_weights_before_rounding(engine, 
     carries the true pair weights (1/|P|), so autograd's bf16 result is the only rounding at
     grad_output 1. These draws broke the 2x bound (layers.1.weight, norm.weight, norm.bias) when
     the gradients were taken at unit weights and rescaled in float32, then rounded again."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    B, L, m, V = 3, 12, 6, 37
-    f = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16()
-    b = torch.randn(B, L, m, generator=g, dtype=torch.float64).bfloat16()
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    torch.manual_seed(seed)
-    head = TextHead(m, V, hidden=[9, 6], n_layers=3) if seed % 2 == 0 else ResidualSwiGLUHead(m, V, hidden=10, bias=True)
-    with torch.no_grad():
-        for name, q in head.named_parameters():
-            q.copy_(torch.randn(q.shape) * 0.6 + (1.0 if name == "norm.weight" else 0.0))
-    head = head.bfloat16()
+    f, b, tokens, head = bf16_head_draw(seed)
     opts = dict(lengths=torch.tensor([12, 6, 9]), next_weight=0.3)
     assert_torch_within_half_bound(f, b, tokens, head, 1.0, **opts)
 
