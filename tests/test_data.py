@@ -148,6 +148,33 @@ def test_no_train_test_overlap():
         StarGraphStream(2, 3, 6, exclude=data)
 
 
+def test_blockwise_draws(monkeypatch):
+    """Rows are drawn in blocks of _BLOCK: the split's guarantees hold across block edges (blocks
+    of 7 rows), and building a set needs little more than the set itself."""
+    import tracemalloc
+    from bst_fast.data import star
+    monkeypatch.setattr(star, "_BLOCK", 7)
+    data = StarGraphData(2, 3, 5, n_train=600, n_test=40, seed=0)
+    tok = data.tokenizer
+    test = {_canon(tok, r) for r in data.test_tokens}
+    assert len(test) == 40 and len(data.test_tokens) == 40      # distinct across blocks
+    train = {_canon(tok, r) for r in data.train_tokens}
+    assert len(data.train_tokens) == 600 and not test & train and len(train) == 20
+    again = StarGraphData(2, 3, 5, n_train=600, n_test=40, seed=0)
+    assert torch.equal(again.train_tokens, data.train_tokens)
+    assert torch.equal(StarGraphStream(2, 3, 5, seed=1, exclude=data).batch(2, 50),
+                       StarGraphStream(2, 3, 5, seed=1, exclude=data).batch(2, 50))
+    monkeypatch.setattr(star, "_BLOCK", 1 << 12)
+    tracemalloc.start()
+    try:
+        big = StarGraphData(2, 5, 50, n_train=100_000, n_test=10, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    final = big.train_tokens.numel() * 8
+    assert peak < 1.3 * final, (peak, final)  # a single draw peaked at 3.2x
+
+
 @pytest.mark.parametrize("call, name", [
     (lambda: StarGraphData(2.7, 3, 10, n_train=4, n_test=4), "d"),
     (lambda: StarGraphData(2, 3.9, 10, n_train=4, n_test=4), "l"),

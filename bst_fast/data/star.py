@@ -27,6 +27,7 @@ from .._checks import check_int
 # on independent random streams even when they are given the same seed.
 _TAG_TEST, _TAG_TRAIN, _TAG_PERM, _TAG_STREAM = 1, 2, 3, 4
 _MAX_ROUNDS = 100  # redraw rounds before deciding the graph space is too small
+_BLOCK = 1 << 16  # rows per draw: bounds the scratch memory of building a large set
 
 
 class StarGraph(NamedTuple):
@@ -293,30 +294,40 @@ def _epoch_indices(owner, n: int, step: int, batch_size: int, seed: int) -> torc
 
 def _draw_rows(n: int, layout: StarLayout, entropy, exclude, unique: bool, what: str) -> np.ndarray:
     """n rows from one rng; drops rows whose key is in `exclude` (sorted) and, if `unique`,
-    repeats; redraws until there are n."""
+    repeats; redraws until there are n.
+
+    Rows are drawn in blocks of at most _BLOCK and copied straight into the (n, L) result, so
+    building a set of the paper's size (8M rows) needs the result plus one block's scratch, not
+    several copies of it. Up to _BLOCK rows, one block is one draw: the same rows as a single draw.
+    """
     n = check_int(what, n, 0)
     rng = np.random.default_rng(entropy)
-    rows, keys, have = [], [], 0
+    out = np.empty((n, layout.row_length), dtype=np.int64)
+    have = 0
     seen = np.empty(0, dtype=np.uint64)
     for _ in range(_MAX_ROUNDS):
         if have >= n:
             break
         want = n - have
         # draw a little extra so one round nearly always suffices
-        chunk = generate_star_graphs(want + want // 16 + 16, layout.d, layout.l, layout.n_nodes, rng)
-        k = graph_keys(chunk, layout.d, layout.l)
-        keep = np.ones(len(k), dtype=bool)
-        if exclude is not None and len(exclude):
-            keep &= ~_sorted_contains(exclude, k)
-        if unique:
-            first = np.zeros(len(k), dtype=bool)
-            first[np.unique(k, return_index=True)[1]] = True  # the first of each repeated key
-            keep &= first & ~np.isin(k, seen)
-        chunk, k = chunk[keep][:want], k[keep][:want]
-        rows.append(chunk)
-        have += len(chunk)
-        if unique:
-            seen = np.concatenate([seen, k])
+        to_draw = want + want // 16 + 16
+        while to_draw > 0 and have < n:
+            size = min(to_draw, _BLOCK)
+            to_draw -= size
+            block = generate_star_graphs(size, layout.d, layout.l, layout.n_nodes, rng)
+            k = graph_keys(block, layout.d, layout.l)
+            keep = np.ones(len(k), dtype=bool)
+            if exclude is not None and len(exclude):
+                keep &= ~_sorted_contains(exclude, k)
+            if unique:
+                first = np.zeros(len(k), dtype=bool)
+                first[np.unique(k, return_index=True)[1]] = True  # the first of each repeated key
+                keep &= first & ~np.isin(k, seen)
+            idx = np.flatnonzero(keep)[:n - have]
+            out[have:have + len(idx)] = block[idx]
+            have += len(idx)
+            if unique:
+                seen = np.concatenate([seen, k[idx]])
     if have < n:
         # distinct graphs: a start, then the arms' labels in order, the d arms unordered
         k = 1 + layout.d * (layout.l - 1)
@@ -325,7 +336,7 @@ def _draw_rows(n: int, layout: StarLayout, entropy, exclude, unique: bool, what:
                          + (" not held out for testing" if exclude is not None and len(exclude) else "")
                          + f"; G({layout.d}, {layout.l}) over {layout.n_nodes} nodes has {graphs} distinct graphs"
                          + (" (a test set draws each at most once)" if unique else ""))
-    return np.concatenate(rows) if rows else np.empty((0, layout.row_length), dtype=np.int64)
+    return out
 
 
 def _sorted_contains(sorted_keys: np.ndarray, k: np.ndarray) -> np.ndarray:
