@@ -146,6 +146,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
+        if self.data != "star" and self.text_vocab < 259:
+            bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:
             bad("star_path_len", ">= 2")
         if self.max_len < 4:
@@ -369,6 +371,12 @@ class _StarTask:
         return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
 
 
+def _batch_totals(tokens, lengths, start_pos):
+    """(pairs, next-token targets) of a batch: the counts the losses are normalised by."""
+    pairs = pair_counts(lengths, start_pos, 2, tokens.shape[1], tokens.shape[1]).sum().item()
+    return pairs, ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
+
+
 class _TextTask:
     """BPE-tokenised text batches and held-out loss."""
 
@@ -384,6 +392,14 @@ class _TextTask:
         self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed)
         self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
         self.seed, self.cfg = cfg.seed, cfg
+        # The config holds the corpus's path only: a resumed run must also find the same corpus
+        # there, or its split (and so every batch and the held-out loss) would silently change.
+        saved = Path(cfg.out_dir) / "data.json"
+        if resume and saved.exists():
+            then, now = json.loads(saved.read_text()), self.data.fingerprint()
+            if then != now:
+                raise ValueError(f"--resume: the corpus at {cfg.data} is not the one this run was trained on "
+                                 f"(then {then}, now {now})")
 
     def save(self, out_dir: Path):
         from .data import save_tokenizer
@@ -391,6 +407,9 @@ class _TextTask:
         path = out_dir / "tokenizer.json"
         if not path.exists():
             _atomic_write(path, lambda p: save_tokenizer(self.tokenizer, p))
+        path = out_dir / "data.json"
+        if not path.exists():
+            _atomic_write(path, lambda p: Path(p).write_text(json.dumps(self.data.fingerprint(), indent=1)))
 
     def batch(self, step, batch_size):
         return (*self.data.batch(step, batch_size, self.seed), None)
@@ -399,15 +418,22 @@ class _TextTask:
     def evaluate(self, model, device):
         was = model.training
         model.eval()
-        losses = []
+        # Every batch is normalised by the whole held-out set's pair and token counts, so the
+        # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
+        pair_total = token_total = 0
+        for tokens, lengths in self.data.held_out_batches(self.cfg.batch_size):
+            p, t = _batch_totals(tokens, lengths, torch.zeros_like(lengths))
+            pair_total, token_total = pair_total + p, token_total + t
+        loss = None
         for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.cfg.batch_size)):
             out = model(tokens.to(device), lengths.to(device), next_weight=self.cfg.next_weight,
                         gamma=self.cfg.gamma, pairs=self.cfg.pairs, backend=self.cfg.backend,
-                        generator=torch.Generator().manual_seed(k))
-            losses.append(float(out["total"]))
+                        generator=torch.Generator().manual_seed(k), pair_total=pair_total,
+                        token_total=token_total)
+            loss = float(out["total"]) + (loss or 0.0)
         model.train(was)
         # no held-out rows (one document of one row, or held_out 0): no figure rather than a 0.0
-        return {"held_out_loss": sum(losses) / len(losses)} if losses else {}
+        return {} if loss is None else {"held_out_loss": loss}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -624,7 +650,8 @@ def _check_out_dir(out_dir: Path, resume: bool, overwrite: bool):
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
         return ckpt, []
-    held = [out_dir / n for n in ("checkpoints", "metrics.csv", "tensorboard", "tokenizer.json") if (out_dir / n).exists()]
+    held = [out_dir / n for n in ("checkpoints", "metrics.csv", "tensorboard", "tokenizer.json", "data.json")
+            if (out_dir / n).exists()]
     if held and not overwrite:
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(p.name for p in held)}): "
                          f"resume it (--resume), start over in it (--overwrite) or choose another out_dir")
@@ -745,8 +772,7 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
         tokens, lengths, row_start = task.batch(step, cfg.batch_size)  # the global batch, (B, L)
         start_pos = torch.full_like(lengths, task.prefix_start) if row_start is None else row_start
-        pair_total = pair_counts(lengths, start_pos, 2, tokens.shape[1], tokens.shape[1]).sum().item() / world
-        token_total = ((lengths - 1 - start_pos).clamp(min=0)).sum().item() / world
+        pair_total, token_total = (n / world for n in _batch_totals(tokens, lengths, start_pos))
         tokens, lengths = tokens[rank::world].to(device), lengths[rank::world].to(device)
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = task.prefix_start if row_start is None else row_start[rank::world].to(device)

@@ -366,8 +366,96 @@ def test_one_document_holds_out_its_last_rows(tmp_path):
     tok = train_bpe(tmp_path, 300)
     data = TextData(tmp_path, tok, 32, held_out=0.1)
     assert data.n_held_out >= 1 and data.n_train >= 1
-    train_rows = {tuple(r[: int(n)].tolist()) for r, n in zip(*data._train.gather(np.arange(data.n_train), 0))}
+    train_rows = {tuple(r[: int(n)].tolist()) for r, n in zip(*data._train.gather(np.arange(data.n_train)))}
     held_rows = [tuple(r[: int(n)].tolist()) for t, l in data.held_out_batches(64) for r, n in zip(t, l)]
     assert len(held_rows) == data.n_held_out and not train_rows & set(held_rows)
     single = TextData(tmp_path, tok, 10**6, held_out=0.1)  # one row in all: nothing to hold out
     assert single.n_held_out == 0 and single.n_train == 1
+
+
+def _rows_of(data, which):
+    rows = data._train if which == "train" else data._held
+    return [tuple(r[: int(n)].tolist()) for r, n in zip(*rows.gather(np.arange(len(rows))))]
+
+
+def test_held_out_share_counts_rows_not_documents():
+    """A long document and a short one: holding out 'one document' would hold out half the corpus,
+    or almost all of it; the split holds out round(0.1 * rows) rows whatever the seed."""
+    docs = [np.arange(3, 1003) % 500 + 3, np.arange(3, 13)]
+    for seed in range(6):
+        data = TextData.from_ids(docs, 600, max_len=64, held_out=0.1, seed=seed)
+        rows = 18  # ceil(1000 / 62) + 1
+        assert data.n_held_out == round(0.1 * rows) and data.n_train == rows - round(0.1 * rows)
+        assert not set(_rows_of(data, "train")) & set(_rows_of(data, "held"))
+    # Many documents: whole documents in a seeded order, at most one of them cut; exact share.
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 600, size=int(n)) for n in rng.integers(1, 200, size=80)]
+    for held_out in (0.05, 0.3):
+        data = TextData.from_ids(docs, 600, max_len=20, held_out=held_out, seed=1)
+        total = data.n_train + data.n_held_out
+        assert data.n_held_out == round(held_out * total)
+        held, train = _rows_of(data, "held"), _rows_of(data, "train")
+        cut = 0
+        for d in docs:
+            chunks = [tuple([1, *d[lo:lo + 18].tolist(), 2]) for lo in range(0, len(d), 18)]
+            inside = [c in held for c in chunks]
+            assert all(c in held or c in train for c in chunks)
+            if any(inside) and not all(inside):
+                cut += 1
+                assert inside == sorted(inside)  # a cut document holds out its last rows
+        assert cut <= 1
+    assert TextData.from_ids(docs, 600, max_len=20, held_out=0.0).n_held_out == 0
+    # every row but one asked for: one is still trained on
+    assert TextData.from_ids(docs[:1], 600, max_len=20, held_out=0.99).n_train == 1
+
+
+def test_text_data_is_the_same_whatever_the_encode_batch(corpus, monkeypatch):
+    from bst_fast.data import text
+    tok = train_bpe(corpus, vocab_size=300)
+    whole = TextData(corpus, tok, max_len=12, held_out=0.1, seed=3)
+    monkeypatch.setattr(text, "_ENCODE_CHARS", 60)  # 43 documents: an encode call every few
+    parts = TextData(corpus, tok, max_len=12, held_out=0.1, seed=3)
+    assert _rows_of(parts, "train") == _rows_of(whole, "train") and _rows_of(parts, "held") == _rows_of(whole, "held")
+    assert parts.fingerprint() == whole.fingerprint()
+    assert torch.equal(next(parts.batches(8))[0], parts.batch(0, 8, seed=3)[0])  # the data's own seed
+
+
+def test_a_tokenizer_json_that_pads_or_truncates_changes_nothing(corpus, tmp_path):
+    tok = train_bpe(corpus, vocab_size=300)
+    plain = TextData(corpus, tok, max_len=64, held_out=0.0)
+    tok.enable_padding(pad_id=0, pad_token="<pad>")
+    tok.enable_truncation(8)
+    save_tokenizer(tok, tmp_path / "tok.json")
+    for t in (tok, load_tokenizer(tmp_path / "tok.json")):
+        data = TextData(corpus, t, max_len=64, held_out=0.0)
+        assert _rows_of(data, "train") == _rows_of(plain, "train")
+    assert tok.padding is not None and tok.truncation is not None  # the caller's settings are kept
+
+
+def test_text_files_must_be_utf8_and_hidden_folders_are_skipped(tmp_path):
+    (tmp_path / "a.txt").write_bytes("\ufeffHello world.\n\ncaf\u00e9 na\u00efve".encode("utf-8"))
+    assert read_documents(tmp_path) == ["Hello world.", "caf\u00e9 na\u00efve"]  # the BOM is dropped
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("Hello world.")
+    assert read_documents(tmp_path) == ["Hello world.", "caf\u00e9 na\u00efve"]
+    (tmp_path / "b.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"b\.txt: not UTF-8 text \(byte 3"):
+        read_documents(tmp_path)
+    np.save(tmp_path / "ids.npy", np.arange(10))
+    with pytest.raises(ValueError, match=r"ids\.npy: not UTF-8 .*TextData\.from_ids"):
+        train_bpe(tmp_path / "ids.npy", 300)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: TextData.from_ids([[3, 4]], vocab_size=40.5), "vocab_size"),
+    (lambda: TextData.from_ids([[3, 4]], vocab_size=40, seed=-1), "seed"),
+    (lambda: TextData.from_ids([[3, 4]], vocab_size=40, max_len=2), "max_len"),
+    (lambda: TextData.from_ids([[3, 4]], vocab_size=40, held_out=1.5), "held_out"),
+    (lambda: TextData.from_ids([[3, 4]], vocab_size=40, bos_id=1.0), "bos_id"),
+    # checked before the (here missing) corpus is read
+    (lambda: TextData("no/such/corpus", None, max_len=16, held_out=1.0), "held_out"),
+    (lambda: next(TextData.from_ids([[3, 4]] * 9, vocab_size=40, held_out=0.5).held_out_batches(0)), "batch_size"),
+])
+def test_bad_text_arguments_name_the_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

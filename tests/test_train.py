@@ -338,3 +338,28 @@ def test_table_pins_the_bst_row_and_checks_every_row_first(tmp_path, monkeypatch
     seen.clear()
     assert main(["table", *base, "--set", "star_path_len=2"]) == 2
     assert "augment" in capsys.readouterr().err and not seen
+
+
+def test_text_resume_checks_the_corpus_and_held_out_loss_ignores_batching(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"doc {k} says the cat sat on the mat {'and ran ' * (k % 7)}" for k in range(40)))
+    text = dict(data=str(corpus), text_vocab=280, max_len=16, steps=4, eval_every=0, ckpt_every=2)
+    train(tiny(tmp_path / "run", **text), stop_at=2)
+    saved = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert saved["documents"] == 40 and len(saved["sha256"]) == 64
+    corpus.write_text(corpus.read_text() + "\n\none more document")  # the split would change
+    with pytest.raises(ValueError, match="not the one this run was trained on"):
+        train(tiny(tmp_path / "run", **text), resume=True)
+    with pytest.raises(ValueError, match="'text_vocab'"):
+        train(tiny(tmp_path / "other", **{**text, "text_vocab": 100}))
+
+    # The held-out loss is the mean over every held-out pair: the evaluation's batch size (the
+    # training batch size) does not change it.
+    from bst_fast.trainer import _TextTask
+    model, cfg = load_model(tmp_path / "run")
+    figures = []
+    for batch_size in (1, 3, 64):
+        task = _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "batch_size": batch_size, "pairs": None,
+                                                "out_dir": str(tmp_path / "eval")}), resume=False)
+        figures.append(task.evaluate(model, "cpu")["held_out_loss"])
+    assert max(figures) - min(figures) < 1e-5 * figures[0], figures
