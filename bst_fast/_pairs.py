@@ -172,6 +172,8 @@ def _as_row_vector(x, name, B, device):
     if isinstance(x, bool):
         _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got a bool")
     if isinstance(x, int):
+        if not -2**63 <= x < 2**63:
+            _fail(ValueError, f"{name} must fit in int64, got {x}")
         return torch.full((B,), x, dtype=torch.int64, device=device)
     if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
         _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got {type(x).__name__}"
@@ -246,6 +248,8 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         _fail(ValueError, f"next_weight must be a number in [0, 1], got {next_weight!r}")
     if reduction not in REDUCTIONS:
         _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        _fail(ValueError, f"generator must be None or a torch.Generator, got {type(generator).__name__}")
 
     dev = f.device
     if lengths is None:
@@ -289,15 +293,19 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if len(pairs) != 3 or not all(torch.is_tensor(x) for x in pairs):
             _fail(ValueError, "pairs given explicitly must be a (row, i, j) triple of int64 tensors")
         row, i, j = pairs
-        if any(x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1 for x in (row, i, j)) \
+        if any(x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex() or x.dim() != 1
+               for x in (row, i, j)) \
                 or not (row.shape == i.shape == j.shape):
-            _fail(ValueError, f"pairs (row, i, j) must be three 1-D integer tensors of one length, got shapes "
-                              f"{tuple(row.shape)}, {tuple(i.shape)}, {tuple(j.shape)}")
+            _fail(ValueError, f"pairs (row, i, j) must be three 1-D integer tensors of one length, got "
+                              + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in (row, i, j)))
         if row.numel() == 0:
             _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
         row, i, j = (x.to(device=dev, dtype=torch.int64) for x in (row, i, j))
+        if B == 0:
+            _fail(ValueError, f"pairs[0] = (row={int(row[0])}, i={int(i[0])}, j={int(j[0])}) is not a valid pair: "
+                              f"the batch has no rows")
         in_batch = (row >= 0) & (row < B)
-        rc = row.clamp(0, max(B - 1, 0))
+        rc = row.clamp(0, B - 1)
         # With i and j checked to lie in [0, L), a j - i that overflowed (i near 2**63) is harmless.
         gap = j - i
         ok = in_batch & (i >= 0) & (i < L) & (j >= 0) & (j < L) & (i >= prefix_start[rc]) \

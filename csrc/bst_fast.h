@@ -13,13 +13,14 @@ namespace bst_fast {
 
 // The pair set of one row (docs/contract.md §2), prefix by prefix: calls fn(i, j0, n) for every prefix i with
 // pairs, whose suffixes are j = j0 .. j0 + n - 1. Gaps beyond the row's length change nothing, so
-// they and the start are clamped first: no index sum below can overflow, whatever the arguments.
+// they and the start are clamped first, and the last suffix is min(gmax, len - 1 - i) past i, not
+// i + gmax: no sum below can overflow for any len, start >= 0 and 2 <= min_gap <= max_gap.
 template <typename F>
 void for_each_prefix(int64_t len, int64_t start, int64_t min_gap, int64_t max_gap, F&& fn) {
   const int64_t gmin = std::min(min_gap, std::max<int64_t>(len, 2));
   const int64_t gmax = std::min(max_gap, std::max<int64_t>(len, 2));
   for (int64_t i = std::min(start, len); i <= len - 1 - gmin; ++i) {
-    fn(i, i + gmin, std::min(i + gmax, len - 1) - (i + gmin) + 1);
+    fn(i, i + gmin, std::min(gmax, len - 1 - i) - gmin + 1);
   }
 }
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -169,10 +170,12 @@ void check_inputs(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weig
                   tokens.scalar_type() == at::kLong && tokens.device().is_cpu(),
               "tokens must be int64 CPU (", B, ", ", L, "), got ", tokens.sizes(), " ",
               tokens.scalar_type());
-  for (const auto* t : {&lengths, &prefix_start}) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"lengths", &lengths},
+                                 {"prefix_start", &prefix_start}}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
                     t->device().is_cpu(),
-                "lengths and prefix_start must be int64 CPU (", B, ",), got ", t->sizes());
+                name, " must be int64 CPU (", B, ",), got ", t->sizes(), " ", t->scalar_type(),
+                " on ", t->device());
   }
   TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
   TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
@@ -225,16 +228,14 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   TORCH_CHECK(at::isFloatingType(weight_in.scalar_type()), "weight must be floating point, got ",
               weight_in.scalar_type());
   at::Tensor row, pi, pj, weight = weight_in.to(at::kDouble).contiguous();
-  for (const auto p : c10::irange(weight.numel())) {  // pair weights: scales of a mean, never of a sign
-    const double w = weight.data_ptr<double>()[p];
-    TORCH_CHECK(std::isfinite(w) && w >= 0, "weight[", p, "] must be finite and >= 0, got ", w);
-  }
   if (listed) {
     row = row_in->contiguous(), pi = i_in->contiguous(), pj = j_in->contiguous();
-    for (const auto* t : {&row, &pi, &pj}) {
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"row", &row},
+                                   {"i", &pi}, {"j", &pj}}) {
       TORCH_CHECK(t->dim() == 1 && t->size(0) == row.size(0) && t->scalar_type() == at::kLong &&
                       t->device().is_cpu(),
-                  "row, i and j must be int64 CPU vectors of one length, got ", t->sizes());
+                  name, " must be an int64 CPU vector as long as row (", row.size(0), "), got ",
+                  t->sizes(), " ", t->scalar_type(), " on ", t->device());
     }
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == row.size(0),
                 "weight must hold one entry per pair (", row.size(0), "), got ", weight.sizes());
@@ -260,10 +261,18 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   // over no pair is not 0.
   TORCH_CHECK_VALUE(walk.total > 0, "the batch has no valid pair at all: every row is too short for min_gap, ",
                     "prefix_start and lengths (or the pair list is empty)");
+  // After the pair count: with no pair, the all-pairs scale 1/|P| is inf, and that is not what
+  // the caller got wrong.
+  for (const auto p : c10::irange(weight.numel())) {  // pair weights: scales of a mean, never of a sign
+    const double w = weight.data_ptr<double>()[p];
+    TORCH_CHECK_VALUE(std::isfinite(w) && w >= 0, "weight[", p, "] must be finite and >= 0, got ", w);
+  }
   for (const auto r : c10::irange(B)) {
     for (const auto t : c10::irange(len[r])) {
       const int64_t y = tok[r * L + t];
-      TORCH_CHECK(y >= 0 && y < V, "tokens[", r, ", ", t, "] = ", y, " must lie in [0, V=", V, ")");
+      // IndexError, as belief_state_loss raises in eager mode (compiled, only this check runs)
+      TORCH_CHECK_INDEX(y >= 0 && y < V, "tokens must lie in [0, vocab_size=", V, ") at valid positions, got tokens[",
+                        r, ", ", t, "] = ", y);
     }
   }
 

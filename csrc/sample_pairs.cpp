@@ -15,9 +15,12 @@
 #include <algorithm>
 #include <random>
 #include <unordered_set>
+#include <utility>
 
 namespace bst_fast {
 namespace {
+
+constexpr int64_t kMaxLength = int64_t{1} << 31;
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -33,11 +36,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
                                                             int64_t min_gap, int64_t max_gap,
                                                             const at::Tensor& k_in, int64_t seed) {
   TORCH_CHECK(lengths_in.dim() == 1 && lengths_in.scalar_type() == at::kLong && lengths_in.device().is_cpu(),
-              "lengths must be an int64 CPU vector, got ", lengths_in.sizes());
+              "lengths must be an int64 CPU vector, got ", lengths_in.sizes(), " ", lengths_in.scalar_type(),
+              " on ", lengths_in.device());
   const int64_t B = lengths_in.size(0);
-  for (const auto* t : {&prefix_start_in, &k_in}) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"prefix_start", &prefix_start_in},
+                                 {"k", &k_in}}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->device().is_cpu(),
-                "prefix_start and k must be int64 CPU (", B, ",), got ", t->sizes());
+                name, " must be int64 CPU (", B, ",), got ", t->sizes(), " ", t->scalar_type(), " on ",
+                t->device());
   }
   TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
   TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
@@ -52,17 +58,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
   std::unordered_set<int64_t> picked;
   std::vector<int64_t> sorted;
   for (const auto r : c10::irange(B)) {
-    TORCH_CHECK(len[r] >= 0, "lengths[", r, "] must be >= 0, got ", len[r]);
-    TORCH_CHECK(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
+    // A row of 2^31 tokens has 2^61 pairs: the counts below stay far from overflow.
+    TORCH_CHECK_VALUE(len[r] >= 0 && len[r] <= kMaxLength, "lengths[", r, "] must lie in [0, 2^31], got ", len[r]);
+    TORCH_CHECK_VALUE(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
+    int64_t n = 0;  // |P_r|, counted first: a row asked for no pair lists nothing
+    for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t, int64_t, int64_t count) { n += count; });
+    TORCH_CHECK_VALUE(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
+    if (kk[r] == 0) continue;
     // The row's prefixes, their first suffix and first flat index.
     first.clear(), first_i.clear(), first_j.clear();
-    int64_t n = 0;
+    n = 0;
     for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t i, int64_t j0, int64_t count) {
       first.push_back(n), first_i.push_back(i), first_j.push_back(j0);
       n += count;
     });
-    TORCH_CHECK(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
-    if (kk[r] == 0) continue;
     std::mt19937_64 gen(splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(static_cast<uint64_t>(r))));
     sorted.clear();
     if (kk[r] >= n / 64) {

@@ -1,5 +1,6 @@
 """Bad input (issue 2 §6): a ValueError (IndexError for token ids) naming the argument, through every
-backend; NaN/inf propagate; the raw ops raise RuntimeError and never crash."""
+backend; NaN/inf propagate; the raw ops raise RuntimeError (ValueError or IndexError where their
+value checks stand in for prepare's under torch.compile) and never crash."""
 import subprocess
 import sys
 import textwrap
@@ -118,6 +119,14 @@ BAD = {
     "next_weight_negative": (lambda x: dict(next_weight=-0.1), ValueError, "next_weight"),
     "next_weight_nan": (lambda x: dict(next_weight=float("nan")), ValueError, "next_weight"),
     "next_weight_string": (lambda x: dict(next_weight="0.5"), ValueError, "next_weight"),
+    "explicit_pairs_complex": (lambda x: dict(pairs=(torch.tensor([0]), torch.tensor([0]), torch.tensor([3 + 5j]))),
+                               ValueError, "pairs .*complex"),
+    "explicit_pairs_no_rows": (lambda x: dict(f=x[0][:0], b=x[1][:0], tokens=x[2][:0],
+                                              pairs=(torch.tensor([0]), torch.tensor([0]), torch.tensor([2]))),
+                               ValueError, r"pairs\[0\].*no rows"),
+    "generator_int": (lambda x: dict(pairs=0.5, generator=123), ValueError, "generator must be None or a torch.Generator"),
+    "lengths_int_beyond_int64": (lambda x: dict(lengths=2**70), ValueError, "lengths must fit in int64"),
+    "prefix_start_int_beyond_int64": (lambda x: dict(prefix_start=2**64), ValueError, "prefix_start must fit in int64"),
 }
 
 
@@ -253,6 +262,9 @@ OP_BAD = {
     "pair_gap_too_small": {**_LIST, "j": torch.tensor([1, 6])},
     "pair_i_before_prefix_start": {**_LIST, "i": torch.tensor([0, 0]), "j": torch.tensor([3, 4])},
     "pair_i_negative": {**_LIST, "i": torch.tensor([-1, 2]), "j": torch.tensor([3, 6])},
+    "weight_inf": dict(weight=torch.tensor(float("inf"), dtype=torch.float64)),
+    # 1/|P| of a batch with no pair is inf: the missing pairs are the error, not the scale
+    "no_pair_inf_scale": dict(lengths=torch.tensor([1, 2]), weight=torch.tensor(float("inf"), dtype=torch.float64)),
 }
 # What each case's error says: the check it is named after, not an earlier one.
 OP_MATCH = {
@@ -262,21 +274,28 @@ OP_MATCH = {
     "odd_output": "2V outputs", "weight_double": r"weights\[0\] must be", "tokens_shape": r"tokens must be int64 CPU \(2, 9\), got \[2, 8\]",
     "tokens_int32": "tokens must be int64", "token_negative": r"tokens\[0, 0\] = -1", "token_too_big": r"tokens\[0, 0\] = 4",
     "lengths_above_L": r"lengths\[0\] must lie", "lengths_negative": r"lengths\[1\] must lie",
-    "lengths_shape": r"got \[1\]", "lengths_int32": "lengths and prefix_start must be int64",
+    "lengths_shape": r"got \[1\]", "lengths_int32": r"lengths must be int64 CPU \(2,\), got \[2\] Int",
     "prefix_start_negative": r"prefix_start\[1\] must be >= 0", "prefix_start_shape": r"got \[3\]",
     "min_gap_1": "min_gap must be >= 2", "max_gap_below_min_gap": "max_gap must be >= min_gap", "next_weight": "next_weight",
     "activation": "activation must be one of", "weight_not_scalar": "weight must be a 0-dim", "row_without_i": "given together",
-    "pair_list_weight_count": "one entry per pair", "pair_list_lengths_differ": "vectors of one length",
-    "pair_list_int32": "vectors of one length",
+    "pair_list_weight_count": "one entry per pair", "pair_list_lengths_differ": r"j must be an int64 CPU vector as long as row \(2\), got \[1\]",
+    "pair_list_int32": r"row must be an int64 CPU vector .* Int", "weight_inf": r"weight\[0\] must be finite",
+    "no_pair_inf_scale": "no valid pair at all",
     **{case: rf"pair {k} = .* is not a valid pair" for case, k in (
         ("pair_row_out_of_range", 1), ("pair_row_negative", 0), ("pair_j_beyond_length", 1), ("pair_j_beyond_L", 1),
         ("pair_gap_too_small", 0), ("pair_i_before_prefix_start", 1), ("pair_i_negative", 0))},
 }
 
 
+# The errors belief_state_loss raises in eager mode, where the op's own check is the one that runs
+# under torch.compile; the rest are the op's RuntimeError.
+OP_ERROR = {"token_negative": IndexError, "token_too_big": IndexError, "weight_inf": ValueError,
+            "no_pair_inf_scale": ValueError}
+
+
 @pytest.mark.parametrize("case", list(OP_BAD))
 def test_pair_loss_op_bad_input(case):
-    with pytest.raises(RuntimeError, match=OP_MATCH[case]):
+    with pytest.raises(OP_ERROR.get(case, RuntimeError), match=OP_MATCH[case]):
         torch.ops.bst_fast.pair_loss(*_op_args(**OP_BAD[case]))
 
 
@@ -332,12 +351,29 @@ SAMPLE_BAD = {
     "prefix_start_negative": (torch.tensor([9, 7]), torch.tensor([0, -3]), 2, 5, torch.tensor([1, 0])),
     "min_gap_1": (torch.tensor([9, 7]), torch.tensor([0, 0]), 1, 5, torch.tensor([1, 1])),
     "max_gap_below_min_gap": (torch.tensor([9, 7]), torch.tensor([0, 0]), 4, 3, torch.tensor([1, 1])),
+    # refused before any prefix of the row is listed (that took 6.5 GB for k = 0)
+    "lengths_huge": (torch.tensor([9, 2**62]), torch.tensor([0, 0]), 2, 2**62, torch.tensor([1, 0])),
+}
+# (error, what it says): the check each case is named after, not an earlier one
+SAMPLE_MATCH = {
+    "lengths_2d": (RuntimeError, r"lengths must be an int64 CPU vector, got \[1, 2\]"),
+    "lengths_int32": (RuntimeError, r"lengths must be an int64 CPU vector, got \[2\] Int"),
+    "prefix_start_shape": (RuntimeError, r"prefix_start must be int64 CPU \(2,\), got \[1\]"),
+    "k_shape": (RuntimeError, r"k must be int64 CPU \(2,\), got \[1\]"),
+    "k_above_count": (ValueError, r"k\[1\] must lie in \[0, \|P_r\| = 3\], got 4"),
+    "k_negative": (ValueError, r"k\[1\] must lie in \[0, "),
+    "lengths_negative": (ValueError, r"lengths\[1\] must lie in \[0, 2\^31\], got -7"),
+    "prefix_start_negative": (ValueError, r"prefix_start\[1\] must be >= 0, got -3"),
+    "min_gap_1": (RuntimeError, "min_gap must be >= 2"),
+    "max_gap_below_min_gap": (RuntimeError, "max_gap must be >= min_gap"),
+    "lengths_huge": (ValueError, r"lengths\[1\] must lie in \[0, 2\^31\]"),
 }
 
 
 @pytest.mark.parametrize("case", list(SAMPLE_BAD))
 def test_sample_pairs_op_bad_input(case):
-    with pytest.raises(RuntimeError):
+    error, match = SAMPLE_MATCH[case]
+    with pytest.raises(error, match=match):
         torch.ops.bst_fast.sample_pairs(*SAMPLE_BAD[case], 0)
 
 
@@ -452,6 +488,18 @@ def test_lengths_are_checked_before_sampling(monkeypatch):
         _pairs.prepare(f, b, tokens, 5, pairs=3, **kw)
 
 
+def test_compiled_loss_raises_the_eager_errors():
+    """Under torch.compile the cpp op's own checks run instead of prepare's: the same error class
+    and the same cause (a batch with no pair used to be blamed on an inf weight)."""
+    f, b, tokens, head = make_inputs(B=2, L=6, m=4, V=5, seed=1)
+    loss = torch.compile(lambda lengths, tokens: belief_state_loss(f, b, tokens, head, lengths=lengths, backend="cpp"),
+                         fullgraph=True)
+    with pytest.raises(ValueError, match="no valid pair at all"):
+        loss(torch.tensor([1, 1]), tokens)
+    with pytest.raises(IndexError, match=r"tokens must lie in \[0, vocab_size=5\).*tokens\[0, 0\] = 9"):
+        loss(torch.tensor([6, 6]), torch.full_like(tokens, 9))
+
+
 def test_op_arguments_on_another_device_and_bad_weights_are_refused():
     """One meta tensor among CPU ones dispatches to the shape-only kernel, whose outputs would be
     uninitialised memory returned as a loss; a NaN or negative pair weight would make any loss."""
@@ -469,9 +517,9 @@ def test_op_arguments_on_another_device_and_bad_weights_are_refused():
     with pytest.raises(ValueError, match="A's device"):
         call(tok=tok.to("meta"))
     for bad in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(RuntimeError, match="weight"):
+        with pytest.raises(ValueError, match=r"weight\[0\] must be finite and >= 0"):
             call(weight=torch.tensor([bad], dtype=torch.float64), listed=True)
-    with pytest.raises(RuntimeError, match="weight"):
+    with pytest.raises(ValueError, match=r"weight\[0\] must be finite and >= 0"):
         call(weight=torch.tensor(float("nan"), dtype=torch.float64))
 
 
