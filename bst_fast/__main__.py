@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -38,9 +39,10 @@ def _is_text_field(key):
 
 
 def _apply_sets(cfg, sets):
-    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work; a
-    string field takes the text as written); the same rules as bst_fast.train's keyword overrides
-    (trainer.apply_overrides)."""
+    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work), except
+    that a string field takes the text as written ('#', '~' and 'null' included; quotes are
+    removed) and an integer is decimal (010 is 10); the same rules as bst_fast.train's keyword
+    overrides (trainer.apply_overrides)."""
     import yaml
 
     from .trainer import apply_overrides
@@ -50,13 +52,17 @@ def _apply_sets(cfg, sets):
         if "=" not in item:
             raise ValueError(f"--set takes key=value, got {item!r}")
         key, value = item.split("=", 1)
-        key = key.strip()
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--set {key}: {value!r} is not a YAML value ({e})") from None
-        if _is_text_field(key) and not isinstance(parsed, str) and parsed is not None:
-            parsed = value.strip()
+        key, text = key.strip(), value.strip()
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        if _is_text_field(key) and not quoted:
+            parsed = text  # as written: YAML would cut "runs/exp #2" at the '#', or read '~' as null
+        elif re.fullmatch(r"[+-]?[0-9]+", text):
+            parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
+        else:
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ValueError(f"--set {key}: {value!r} is not a YAML value ({e})") from None
         overrides.append((key, parsed))
     cfg = apply_overrides(cfg, {})  # a copy even without overrides
     for key, value in overrides:  # one at a time: --set may name a field twice, the last one wins
@@ -86,10 +92,28 @@ def cmd_train(args):
     print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
 
 
+_RESUME_EACH = ("continue an interrupted job: each run from its latest checkpoint, a finished one "
+                "reported, one not started yet started")
+
+
+def _train_run(cfg, resume):
+    """One run of star or table. Without --resume it starts over; with it, a run continues from its
+    checkpoint, a finished run reports its logged final figures, and a run that had not written a
+    checkpoint yet (the job stopped during an earlier run) starts."""
+    from .trainer import NothingToTrain, latest_checkpoint, train
+
+    go_on = resume and latest_checkpoint(cfg.out_dir) is not None
+    try:
+        return train(cfg, resume=go_on, overwrite=not go_on)
+    except NothingToTrain as done:
+        if not done.result:  # no figures: a finished run whose metrics.csv is gone
+            raise
+        print(f"(finished before: {cfg.out_dir})", flush=True)
+        return done.result
+
+
 def cmd_star(args):
     """Trains the BST and the forward-only baseline on one config and prints their path accuracy."""
-    from .trainer import train
-
     base = _load(args)
     rows = []
     for method in args.methods:
@@ -98,7 +122,7 @@ def cmd_star(args):
         cfg.out_dir = str(Path(base.out_dir) / method)
         print(f"== {method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
               f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
-        result = train(cfg, resume=args.resume, overwrite=not args.resume)  # a reproduction reruns
+        result = _train_run(cfg, args.resume)  # a reproduction reruns, unless resumed
         rows.append((method, result))
     print("\n| method | path accuracy | final loss | steps/s |")
     print("| --- | --- | --- | --- |")
@@ -147,8 +171,6 @@ def cmd_table(args):
     """Trains every row of TABLE_ROWS on one config and prints path accuracy per method."""
     import time
 
-    from .trainer import train
-
     base = _load(args)
     rows = []  # every row's config is checked before the first one trains
     for label, changes in TABLE_ROWS:
@@ -159,7 +181,7 @@ def cmd_table(args):
     for label, cfg in rows:
         print(f"== {label}", flush=True)
         t0 = time.perf_counter()
-        r = train(cfg, resume=args.resume, overwrite=not args.resume)
+        r = _train_run(cfg, args.resume)
         lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
                      f"{time.perf_counter() - t0:.0f} |")
     text = "\n".join([
@@ -342,7 +364,8 @@ def main(argv=None):
         p.add_argument("--config", default=default, help=CONFIG_HELP +
                        (f" (default {default})" if default else ""))
         p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field, e.g. model.n_layer=6")
-        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in out_dir" if name == "train" else _RESUME_EACH)
         if name == "train":
             p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds another run")
         if name == "star":
@@ -350,7 +373,7 @@ def main(argv=None):
     p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
     p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"), help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
-    p.add_argument("--resume", action="store_true", help="continue each method from its latest checkpoint")
+    p.add_argument("--resume", action="store_true", help=_RESUME_EACH)
     p.add_argument("--out", help="also write the table to this file")
     p.add_argument("--note", help="a line written above the table in --out")
     p = sub.add_parser("generate", help="decode from a checkpoint: greedy/sample, planning (Algorithm 1), beam search")

@@ -165,7 +165,7 @@ def test_config_values_as_written_in_yaml(tmp_path, capsys):
     assert (cfg.lr, cfg.data, cfg.out_dir, cfg.pairs, cfg.model.head_hidden) == (3e-4, "2024", "on", None, [8])
     (tmp_path / "c.yaml").write_text("lr: 3e-4\nmin_lr: 1E-5\n")
     assert (TrainConfig.load(tmp_path / "c.yaml").lr, TrainConfig.load(tmp_path / "c.yaml").min_lr) == (3e-4, 1e-5)
-    for bad, field in (("steps=null", "steps"), ("out_dir=null", "out_dir"), ("lr=fast", "lr"), ("x=[1,", "x"),
+    for bad, field in (("steps=null", "steps"), ("lr=fast", "lr"), ("x=[1,", "x"),
                        ("lr=.nan", "lr"), ("beta2=1.0", "beta2"), ("seed=-1", "seed")):
         assert main(["train", "--config", str(TINY), "--set", bad]) == 2, bad
         assert field in capsys.readouterr().err, bad
@@ -363,3 +363,61 @@ def test_text_resume_checks_the_corpus_and_held_out_loss_ignores_batching(tmp_pa
                                                 "out_dir": str(tmp_path / "eval")}), resume=False)
         figures.append(task.evaluate(model, "cpu")["held_out_loss"])
     assert max(figures) - min(figures) < 1e-5 * figures[0], figures
+
+
+def test_lr_schedule_uses_each_value_once_and_logs_the_lr_it_used(tmp_path):
+    """Warmup reaches lr at its last step, the cosine reaches min_lr at the run's last step, and the
+    lr logged for a step is the one that step used; an extended run follows the new schedule."""
+    from bst_fast.trainer import _lr_lambda
+
+    cfg = tiny(tmp_path / "a", steps=6, warmup=3, lr=1e-3, min_lr=1e-4, log_every=1, eval_every=0)
+    f = _lr_lambda(cfg)
+    used = [1e-3 * f(s) for s in range(6)]
+    cos = lambda t: 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * t))
+    assert used == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, cos(1 / 3), cos(2 / 3), 1e-4], rel=1e-12)
+    assert _lr_lambda(tiny(tmp_path, steps=5, warmup=0, lr=1e-3, min_lr=0.0))(0) == 1.0  # no warmup: lr first
+
+    def logged_lr(run):
+        rows = [line.split(",") for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+        return {int(s): float(v) for s, k, v in rows if k == "lr"}
+    train(cfg)
+    assert [logged_lr(tmp_path / "a")[s] for s in range(1, 7)] == pytest.approx(used, rel=1e-12)
+    # Extended to 12 steps on resume: steps 7.. use the 12-step schedule, as a 12-step run does.
+    train(tiny(tmp_path / "a", steps=12, warmup=3, lr=1e-3, min_lr=1e-4, log_every=1, eval_every=0), resume=True)
+    f12 = _lr_lambda(tiny(tmp_path, steps=12, warmup=3, lr=1e-3, min_lr=1e-4))
+    assert [logged_lr(tmp_path / "a")[s] for s in range(7, 13)] == pytest.approx([1e-3 * f12(s) for s in range(6, 12)],
+                                                                                rel=1e-12)
+
+
+def test_set_values_and_out_dir_errors(tmp_path, capsys):
+    from bst_fast.__main__ import _apply_sets, main
+
+    cfg = _apply_sets(TrainConfig(), ["out_dir=runs/exp #2", "data=notes #1.txt", "seed=010", "pairs=2e-1",
+                                      "model.n_layer=03"])
+    assert (cfg.out_dir, cfg.data, cfg.seed, cfg.pairs, cfg.model.n_layer) == ("runs/exp #2", "notes #1.txt", 10, 0.2, 3)
+    assert _apply_sets(TrainConfig(), ["out_dir='a b'"]).out_dir == "a b"
+    assert _apply_sets(TrainConfig(), ["out_dir=null"]).out_dir == "null"  # a folder's name, as written
+    (tmp_path / "afile").write_text("x")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main(["train", "--config", str(TINY), "--set", f"out_dir={out}"]) == 2
+        assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    train(tiny(tmp_path / "run", steps=2))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    (ckpt / "config.json").write_text('{"steps": 2,\n')
+    with pytest.raises(ValueError, match=f"checkpoint {re.escape(str(ckpt))} has a corrupt or unreadable config.json"):
+        train(tiny(tmp_path / "run", steps=3), resume=True)
+
+
+def test_star_resume_continues_an_interrupted_job(tmp_path):
+    """The job stopped after the BST run finished and before the forward-only run wrote a
+    checkpoint: --resume reports the finished run and trains the other, instead of stopping at
+    'nothing to train'."""
+    from bst_fast.__main__ import main
+
+    train(tiny(tmp_path / "bst", method="bst"))
+    (tmp_path / "forward").mkdir()
+    (tmp_path / "forward" / "metrics.csv").write_text("step,key,value\n1,loss,3.0\n")  # no checkpoint yet
+    before = (tmp_path / "bst" / "metrics.csv").read_text()
+    assert main(["star", "--config", str(TINY), "--set", f"out_dir={tmp_path}", "--resume"]) == 0
+    assert (tmp_path / "bst" / "metrics.csv").read_text() == before  # not retrained
+    assert (tmp_path / "forward" / "checkpoints" / "latest").exists()
