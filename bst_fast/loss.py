@@ -18,13 +18,16 @@ def _vocab_size(head, m, device, dtype):
     v = getattr(head, "vocab_size", None)
     if isinstance(v, int):
         return v
-    was = head.training
+    # Every submodule's own mode is restored: head.train(was) would also switch back a Dropout or a
+    # BatchNorm the caller had put in eval mode inside a training head.
+    modes = [(module, module.training) for module in head.modules()]
     head.eval()
     try:
         with torch.no_grad():
             out = head(torch.zeros(1, 2 * m, device=device, dtype=dtype))
     finally:
-        head.train(was)
+        for module, training in modes:
+            module.training = training
     if out.dim() != 2 or out.shape[-1] % 2:
         raise ValueError(f"head must map (..., 2m) to (..., 2V), got an output of shape {tuple(out.shape)}")
     return out.shape[-1] // 2

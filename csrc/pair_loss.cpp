@@ -337,29 +337,52 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       }
       auto x = logits.narrow(0, 0, n);
       at::addmm_out(x, c.back(), ht.back(), W.back().t());
+      // Each half's top logit mx and rest = the sum of exp(z - mx) over all but that top one (whose
+      // term is 1), with e = exp(z - mx) in lp: the loss is (mx - zy) + log1p(rest), exact to a
+      // few ulps for a confident model, where a float32 log-softmax (mx + log(1 + rest) - zy)
+      // kept only a few bits of a 1e-5 loss next to logits near 50.
       auto lp = logp.narrow(0, 0, n);
-      at::_log_softmax_out(lp, x.view({n, 2, V}), -1, false);
+      auto x3 = x.view({n, 2, V}), e3 = lp.view({n, 2, V});
+      const auto top = x3.argmax(-1, /*keepdim=*/true);
+      const auto mx = x3.gather(-1, top);
+      at::sub_out(e3, x3, mx);
+      e3.exp_();
+      e3.scatter_(-1, top, 0.0);
+      const auto rest = e3.sum(-1, /*keepdim=*/true);
+      e3.scatter_(-1, top, 1.0);
 
-      const float* lpp = lp.data_ptr<float>();
+      const float* xp = x.data_ptr<float>();
+      const float* mp = mx.data_ptr<float>();
+      const float* rp = rest.data_ptr<float>();
       double tile_loss = 0.0;
       for (const auto p : c10::irange(n)) {
         const int64_t y0 = tok[pr[p] * L + pi_[p] + 1], y1 = tok[pr[p] * L + pj_[p] - 1];
-        tile_loss -= static_cast<double>(pw[p]) *
-                     (lam[0] * lpp[(p * 2) * V + y0] + lam[1] * lpp[(p * 2 + 1) * V + y1]);
+        const float ce0 = (mp[2 * p] - xp[(p * 2) * V + y0]) + std::log1p(rp[2 * p]);
+        const float ce1 = (mp[2 * p + 1] - xp[(p * 2 + 1) * V + y1]) + std::log1p(rp[2 * p + 1]);
+        tile_loss += static_cast<double>(pw[p]) * (lam[0] * ce0 + lam[1] * ce1);
       }
       s.loss += tile_loss;
       if (!need_grad) continue;
 
-      // g = (softmax - onehot) * w * lam, written over the log-probabilities.
-      at::exp_(lp);
+      // g = (softmax - onehot) * w * lam, written over e: e * w * lam / (1 + rest), and at the
+      // label ((e_y - 1) - rest) / (1 + rest) * w * lam, exact when the label is the top logit.
       auto coef = at::empty({n, 2, 1}, f32);
       float* cp = coef.data_ptr<float>();
-      for (const auto p : c10::irange(n)) cp[2 * p] = pw[p] * lam[0], cp[2 * p + 1] = pw[p] * lam[1];
-      lp.mul_(coef);
       float* g = lp.data_ptr<float>();
+      std::vector<float> label(2 * n);
       for (const auto p : c10::irange(n)) {
-        g[(p * 2) * V + tok[pr[p] * L + pi_[p] + 1]] -= cp[2 * p];
-        g[(p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1]] -= cp[2 * p + 1];
+        const int64_t y[2] = {tok[pr[p] * L + pi_[p] + 1], tok[pr[p] * L + pj_[p] - 1]};
+        for (const int h : {0, 1}) {
+          const int64_t q = 2 * p + h;
+          const float inv = 1.0f / (1.0f + rp[q]), c = pw[p] * lam[h];
+          cp[q] = c * inv;
+          label[q] = ((g[q * V + y[h]] - 1.0f) - rp[q]) * inv * c;
+        }
+      }
+      lp.view({n, 2, V}).mul_(coef);
+      for (const auto p : c10::irange(n)) {
+        g[(p * 2) * V + tok[pr[p] * L + pi_[p] + 1]] = label[2 * p];
+        g[(p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1]] = label[2 * p + 1];
       }
       auto g2 = lp.view({n, two_v});
       s.dW.back().addmm_(g2.t(), ht.back());

@@ -123,6 +123,26 @@ def test_non_contiguous_inputs(backend):
                             prefix_start=torch.tensor([0, 1, 2, 3, 4, 5])[::2])
 
 
+@pytest.mark.parametrize("backend, triton_ops", [("torch", False), ("torch", True), ("cpp", False), ("triton", False)])
+def test_a_confident_model_keeps_its_small_loss_in_float32(backend, triton_ops, monkeypatch):
+    """Logits near 50 and a loss of 1e-5, as late in training: the logsumexp is kept as the top
+    logit and log1p of the rest, so float32 meets docs/contract.md §6 (mx + log(se) - zy lost 6% of
+    the loss and of every gradient; plain float32 torch, F.cross_entropy, is off by 1e-4 here)."""
+    from bst_fast.backends import torch_backend
+    monkeypatch.setattr(torch_backend, "TRITON_OPS", triton_ops)
+    g = torch.Generator().manual_seed(5)
+    B, L, m, V = 2, 8, 4, 3
+    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    head = make_head(m, V, hidden=6, activation="relu", seed=5)
+    with torch.no_grad():
+        head.layers[1].weight.mul_(0.1)
+        head.layers[1].bias.copy_(torch.tensor([52.0, 40.0, 40.0, 52.0, 40.0, 40.0]))  # the label on top by 12
+    ref = belief_state_loss(f.double(), b.double(), tokens, copy.deepcopy(head).double(), backend="reference")
+    assert 1e-6 < float(ref) < 1e-4
+    check_against_reference(f, b, tokens, head, backend=backend, seed=5)
+
+
 WRT = [("f",), ("b",), ("head",), ("f", "b"), ("b", "head"), ("f", "head")]
 
 
@@ -249,6 +269,19 @@ def test_any_head_module(backend, dtype):
     f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=500)
     check_against_reference(f, b, tokens, torch_head, backend=backend, dtype=dtype, seed=500,
                             lengths=torch.tensor([13, 5, 11]), next_weight=0.3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_probing_a_heads_vocabulary_keeps_each_submodules_mode(backend):
+    """A head without vocab_size is probed once in eval mode; afterwards every submodule is back in
+    its own mode (a Dropout the caller switched off inside a training head stays off)."""
+    head = torch.nn.Sequential(torch.nn.Linear(14, 26), torch.nn.Dropout(0.5), torch.nn.Linear(26, 26))
+    head.train()
+    head[1].eval()
+    f, b, tokens, _ = make_inputs(B=2, L=9, m=7, V=13, seed=7)
+    first = belief_state_loss(f, b, tokens, head, backend=backend)
+    assert [m.training for m in head.modules()] == [True, True, False, True]
+    assert torch.equal(first, belief_state_loss(f, b, tokens, head, backend=backend))  # no dropout drawn
 
 
 def _spy(monkeypatch):

@@ -31,7 +31,10 @@ def chunk_config(device_type: str, V: int, widths, dtype) -> dict:
 def ce_config(device_type: str, V: int) -> dict:
     """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
     if device_type == "cuda":
-        return dict(BV=min(4096, triton.next_power_of_2(V)), ce_warps=4 if V <= 2048 else 8)
+        # at most 8 logits a thread: at 16 (BV 2048 on 4 warps, 4096 on 8) the top-and-rest form
+        # of the logsumexp spilled on sm_90 (4 and 12 bytes), at 8 it needs 32-54 registers
+        BV = min(4096, triton.next_power_of_2(V))
+        return dict(BV=BV, ce_warps=max(4, BV // 256))
     return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
 
 
