@@ -337,53 +337,49 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       }
       auto x = logits.narrow(0, 0, n);
       at::addmm_out(x, c.back(), ht.back(), W.back().t());
-      // Each half's top logit mx and rest = the sum of exp(z - mx) over all but that top one (whose
-      // term is 1), with e = exp(z - mx) in lp: the loss is (mx - zy) + log1p(rest), exact to a
-      // few ulps for a confident model, where a float32 log-softmax (mx + log(1 + rest) - zy)
-      // kept only a few bits of a 1e-5 loss next to logits near 50.
+      // Each half's top logit mx, with e = exp(z - mx) in lp, the label's term ey and the sum ry of
+      // the others: the loss is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient
+      // -ry / (ry + ey). For a confident model (the label on top, ey = 1) both keep the tiny ry
+      // whole, where a float32 log-softmax lost it to the rounding of mx near 50 and of 1 + ry.
       auto lp = logp.narrow(0, 0, n);
       auto x3 = x.view({n, 2, V}), e3 = lp.view({n, 2, V});
-      const auto top = x3.argmax(-1, /*keepdim=*/true);
-      const auto mx = x3.gather(-1, top);
+      const auto mx = x3.amax(-1, /*keepdim=*/true);
       at::sub_out(e3, x3, mx);
       e3.exp_();
-      e3.scatter_(-1, top, 0.0);
-      const auto rest = e3.sum(-1, /*keepdim=*/true);
-      e3.scatter_(-1, top, 1.0);
+      float* e = lp.data_ptr<float>();
+      std::vector<float> ey(2 * n);
+      std::vector<int64_t> label(2 * n);
+      for (const auto p : c10::irange(n)) {
+        label[2 * p] = (p * 2) * V + tok[pr[p] * L + pi_[p] + 1];
+        label[2 * p + 1] = (p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1];
+        for (const int h : {0, 1}) ey[2 * p + h] = e[label[2 * p + h]], e[label[2 * p + h]] = 0.0f;
+      }
+      const auto ry_t = e3.sum(-1, /*keepdim=*/true);
 
       const float* xp = x.data_ptr<float>();
       const float* mp = mx.data_ptr<float>();
-      const float* rp = rest.data_ptr<float>();
+      const float* ry = ry_t.data_ptr<float>();
       double tile_loss = 0.0;
       for (const auto p : c10::irange(n)) {
-        const int64_t y0 = tok[pr[p] * L + pi_[p] + 1], y1 = tok[pr[p] * L + pj_[p] - 1];
-        const float ce0 = (mp[2 * p] - xp[(p * 2) * V + y0]) + std::log1p(rp[2 * p]);
-        const float ce1 = (mp[2 * p + 1] - xp[(p * 2 + 1) * V + y1]) + std::log1p(rp[2 * p + 1]);
-        tile_loss += static_cast<double>(pw[p]) * (lam[0] * ce0 + lam[1] * ce1);
+        double ce[2];
+        for (const int h : {0, 1}) {
+          const int64_t q = 2 * p + h;
+          ce[h] = (mp[q] - xp[label[q]]) + std::log1p(ry[q] + (ey[q] - 1.0f));
+        }
+        tile_loss += static_cast<double>(pw[p]) * (lam[0] * ce[0] + lam[1] * ce[1]);
       }
       s.loss += tile_loss;
       if (!need_grad) continue;
 
-      // g = (softmax - onehot) * w * lam, written over e: e * w * lam / (1 + rest), and at the
-      // label ((e_y - 1) - rest) / (1 + rest) * w * lam, exact when the label is the top logit.
+      // g = (softmax - onehot) * w * lam, written over e: e * w * lam / (ry + ey), and at the
+      // label -ry / (ry + ey) * w * lam.
       auto coef = at::empty({n, 2, 1}, f32);
       float* cp = coef.data_ptr<float>();
-      float* g = lp.data_ptr<float>();
-      std::vector<float> label(2 * n);
       for (const auto p : c10::irange(n)) {
-        const int64_t y[2] = {tok[pr[p] * L + pi_[p] + 1], tok[pr[p] * L + pj_[p] - 1]};
-        for (const int h : {0, 1}) {
-          const int64_t q = 2 * p + h;
-          const float inv = 1.0f / (1.0f + rp[q]), c = pw[p] * lam[h];
-          cp[q] = c * inv;
-          label[q] = ((g[q * V + y[h]] - 1.0f) - rp[q]) * inv * c;
-        }
+        for (const int h : {0, 1}) cp[2 * p + h] = pw[p] * lam[h] / (ry[2 * p + h] + ey[2 * p + h]);
       }
       lp.view({n, 2, V}).mul_(coef);
-      for (const auto p : c10::irange(n)) {
-        g[(p * 2) * V + tok[pr[p] * L + pi_[p] + 1]] = label[2 * p];
-        g[(p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1]] = label[2 * p + 1];
-      }
+      for (const auto q : c10::irange(2 * n)) e[label[q]] = -ry[q] * cp[q];
       auto g2 = lp.view({n, two_v});
       s.dW.back().addmm_(g2.t(), ht.back());
       s.dc.back().add_(g2.sum(0));

@@ -31,8 +31,8 @@ def chunk_config(device_type: str, V: int, widths, dtype) -> dict:
 def ce_config(device_type: str, V: int) -> dict:
     """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
     if device_type == "cuda":
-        # at most 8 logits a thread: at 16 (BV 2048 on 4 warps, 4096 on 8) the top-and-rest form
-        # of the logsumexp spilled on sm_90 (4 and 12 bytes), at 8 it needs 32-54 registers
+        # at most 8 logits a thread: at 16 (BV 2048 on 4 warps, 4096 on 8) the kernel sits at 64
+        # registers on sm_90 and a first form of its split logsumexp spilled there; at 8, 40-62
         BV = min(4096, triton.next_power_of_2(V))
         return dict(BV=BV, ce_warps=max(4, BV // 256))
     return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs

@@ -124,24 +124,22 @@ def _cross_entropy_(z, y, wl, need: bool, gscale: float = 1.0):
     a float32 copy of a 16-bit chunk (16 MB of logits) is cheap there; the GPU engine makes none."""
     acc = wl.dtype
     x = z.to(acc)  # z itself when it is already float32 / float64: overwritten in place
-    zy = x.gather(2, y[..., None])  # (n, 2, 1)
-    top = x.argmax(2, keepdim=True)
-    mx = x.gather(2, top)
+    yi = y[..., None]
+    zy = x.gather(2, yi)  # (n, 2, 1)
+    mx = x.amax(2, keepdim=True)
     x = x.sub_(mx).exp_()
-    # r: the exponentials but the top one (which is 1), summed apart. A confident model's loss is
-    # (mx - zy) + log1p(r) with r tiny; mx + log(1 + r) - zy would lose it to the rounding of
-    # 1 + r and of mx (float32 logits near 50 gave a 6% error on a 1e-5 loss).
-    x.scatter_(2, top, 0.0)
-    r = x.sum(2, keepdim=True)
-    x.scatter_(2, top, 1.0)
-    loss = (wl * ((mx - zy) + torch.log1p(r))).sum()
+    # The label's term ey and the others' sum ry, apart: the loss is (mx - zy) + log1p(ry + (ey - 1))
+    # and the label's gradient -ry / (ry + ey). For a confident model (the label on top, ey = 1) both
+    # keep the tiny ry whole; mx + log(sum) - zy lost it to the rounding of mx and of 1 + ry
+    # (float32 logits near 50 gave a 6% error on a 1e-5 loss).
+    ey = x.gather(2, yi)
+    x.scatter_(2, yi, 0.0)
+    ry = x.sum(2, keepdim=True)
+    s = ry + ey
+    loss = (wl * ((mx - zy) + torch.log1p(ry + (ey - 1.0)))).sum()
     if need:
-        ey = x.gather(2, y[..., None])  # exp(zy - mx)
-        x.div_(1.0 + r)
-        # softmax - 1 at the label as ((ey - 1) - r) / (1 + r): exact when the label is the top
-        # logit, where softmax - 1 rounded near 1 would keep only a few bits of -r / (1 + r)
-        x.scatter_(2, y[..., None], ((ey - 1.0) - r) / (1.0 + r))
-        x.mul_(gscale * wl)
+        x.mul_(gscale * wl / s)
+        x.scatter_(2, yi, gscale * wl * (-ry / s))
         if x is not z:
             z.copy_(x)
     return loss

@@ -12,10 +12,11 @@ with g = gscale (1, or the torch backend's float16 chunk scale).
 
 One program per row; each half is two passes over V in blocks of BV: an online max / sum of
 exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
-is still in L1/L2. Cost per pair: read 2V * es, write 2V * es (gradient), 4V exp and about 16V
+is still in L1/L2. Cost per pair: read 2V * es, write 2V * es (gradient), 4V exp and about 8V
 compare/select/FMA, no atomics; the row's bytes, not this arithmetic, bound it. The logsumexp is
 float32 whatever the logits' dtype (docs/contract.md §6), kept as the top logit and log1p of the
-rest, so a confident model's small loss is not lost to the rounding of the large logits.
+rest with the label's term apart, so a confident model's small loss is not lost to the rounding
+of the large logits.
 """
 import triton
 import triton.language as tl
@@ -38,39 +39,34 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
             y = tl.load(tok + tl.load(ib + s0 + r).to(tl.int64) - 1)
             cw = w * (1.0 - lam)
         zr = row + half * V
-        # Online max mx and rest = the sum of exp(z - mx) over all but one top logit (whose term is
-        # 1): the loss is (mx - zy) + log1p(rest) and the label's gradient ((e_y - 1) - rest) / (1 +
-        # rest), both exact to a few ulps however confident the model. mx + log(se) - zy lost a
-        # 1e-5 loss to the rounding of mx near 50 (a 6% error, and as much in every gradient).
+        # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the loss
+        # is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
+        # exp(zy - mx). For a confident model (the label on top, ey = 1) both keep the tiny ry
+        # whole; mx + log(se) - zy lost a 1e-5 loss to the rounding of mx near 50 (6%, and as much
+        # in every gradient).
         mx = -float("inf")
-        rest = 0.0
+        ry = 0.0
         for vb in range(0, V, BV):
             col = vb + tl.arange(0, BV)
             z = tl.load(zr + col, mask=col < V, other=-float("inf")).to(tl.float32)
-            bmax = tl.max(z, axis=0)
-            m_new = tl.maximum(mx, bmax)
+            m_new = tl.maximum(mx, tl.max(z, axis=0))
             # while every logit so far is -inf (a masked block), shift by 0: exp(-inf - -inf) is NaN
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            e = tl.exp(z - m_safe)
-            below = tl.sum(tl.where(z == m_new, 0.0, e), axis=0)  # a NaN logit lands here: it propagates
-            ties = tl.sum(tl.where((z == m_new) & (z > -float("inf")), 1.0, 0.0), axis=0)
-            # a new top in this block: the old sum (its top included) is rescaled into the rest, and
-            # one of the block's tops becomes the 1; else the block's terms, ties included, add on
-            rest = tl.where(bmax > mx, (1.0 + rest) * tl.exp(mx - m_safe) + below + (ties - 1.0),
-                            rest + below + ties)
+            ry = ry * tl.exp(mx - m_safe) + tl.sum(tl.where(col == y, 0.0, tl.exp(z - m_safe)), axis=0)
             mx = m_new
-        u = 1.0 + rest
-        log1p = tl.where(u == 1.0, rest, tl.log(u) * (rest / (u - 1.0)))  # log1p to a few ulps
         zy = tl.load(zr + y).to(tl.float32)
+        ey = tl.exp(zy - mx)
+        rest = ry + (ey - 1.0)
+        u = 1.0 + rest
+        log1p = tl.where(u == 1.0, rest, tl.log(u) * (rest / (u - 1.0)))  # log1p(rest) to a few ulps
         total += cw * ((mx - zy) + log1p)
         if NEED_GRAD:
-            inv = 1.0 / u
+            inv = 1.0 / (ry + ey)
             for vb in range(0, V, BV):
                 col = vb + tl.arange(0, BV)
                 cm = col < V
                 z = tl.load(zr + col, mask=cm, other=0.0).to(tl.float32)
-                e = tl.exp(z - mx)
-                d = (cw * gscale) * tl.where(col == y, ((e - 1.0) - rest) * inv, e * inv)
+                d = (cw * gscale) * tl.where(col == y, -ry * inv, tl.exp(z - mx) * inv)
                 tl.store(zr + col, cast(d, Z.dtype.element_ty, UP), mask=cm)
     tl.store(loss + r, total)
 
