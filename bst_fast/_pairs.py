@@ -185,10 +185,14 @@ def _as_row_vector(x, name, B, device):
 
 def row_problems(tokens, lengths, vocab_size):
     """Two masks, no synchronisation: lengths outside [0, L], and ids outside [0, vocab_size) at
-    valid positions (every token a row can use as a label; padding is not checked)."""
+    valid positions (every token a row can use as a label; padding is not checked); vocab_size
+    None checks no id (all False)."""
     L = tokens.shape[1]
+    bad_len = (lengths < 0) | (lengths > L)
+    if vocab_size is None:
+        return bad_len, torch.zeros_like(tokens, dtype=torch.bool)
     valid = torch.arange(L, device=tokens.device)[None] < lengths.clamp(0, L)[:, None]
-    return (lengths < 0) | (lengths > L), valid & ((tokens < 0) | (tokens >= vocab_size))
+    return bad_len, valid & ((tokens < 0) | (tokens >= vocab_size))
 
 
 def _raise_length(lengths, bad_len, L):

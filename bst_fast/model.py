@@ -148,7 +148,7 @@ def full_lengths(tokens, lengths=None, vocab_size=None):
     given = lengths is not None
     lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)
     if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and (given or vocab_size is not None):
-        check_rows(tokens, lengths, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
+        check_rows(tokens, lengths, vocab_size)
     return lengths
 
 

@@ -376,9 +376,10 @@ class _StarTask:
         return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
 
 
-def _batch_totals(tokens, lengths, start_pos):
-    """(pairs, next-token targets) of a batch: the counts the losses are normalised by."""
-    pairs = pair_counts(lengths, start_pos, 2, tokens.shape[1], tokens.shape[1]).sum().item()
+def _batch_totals(lengths, start_pos, L):
+    """(pairs, next-token targets) of rows of `lengths` (at most L): the counts the losses are
+    normalised by."""
+    pairs = pair_counts(lengths, start_pos, 2, L, L).sum().item()
     return pairs, ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
 
 
@@ -421,24 +422,23 @@ class _TextTask:
 
     @torch.no_grad()
     def evaluate(self, model, device):
-        was = model.training
-        model.eval()
+        held = self.data.held_out_lengths
+        if not len(held):  # no held-out rows (one document of one row, or held_out 0): no figure
+            return {}
         # Every batch is normalised by the whole held-out set's pair and token counts, so the
         # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
-        pair_total = token_total = 0
-        for tokens, lengths in self.data.held_out_batches(self.cfg.batch_size):
-            p, t = _batch_totals(tokens, lengths, torch.zeros_like(lengths))
-            pair_total, token_total = pair_total + p, token_total + t
-        loss = None
+        pair_total, token_total = _batch_totals(held, torch.zeros_like(held), int(held.max()))
+        was = model.training
+        model.eval()
+        loss = 0.0
         for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.cfg.batch_size)):
             out = model(tokens.to(device), lengths.to(device), next_weight=self.cfg.next_weight,
                         gamma=self.cfg.gamma, pairs=self.cfg.pairs, backend=self.cfg.backend,
                         generator=torch.Generator().manual_seed(k), pair_total=pair_total,
                         token_total=token_total)
-            loss = float(out["total"]) + (loss or 0.0)
+            loss += float(out["total"])
         model.train(was)
-        # no held-out rows (one document of one row, or held_out 0): no figure rather than a 0.0
-        return {} if loss is None else {"held_out_loss": loss}
+        return {"held_out_loss": loss}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -817,7 +817,7 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
         tokens, lengths, row_start = task.batch(step, cfg.batch_size)  # the global batch, (B, L)
         start_pos = torch.full_like(lengths, task.prefix_start) if row_start is None else row_start
-        pair_total, token_total = (n / world for n in _batch_totals(tokens, lengths, start_pos))
+        pair_total, token_total = (n / world for n in _batch_totals(lengths, start_pos, tokens.shape[1]))
         tokens, lengths = tokens[rank::world].to(device), lengths[rank::world].to(device)
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = task.prefix_start if row_start is None else row_start[rank::world].to(device)

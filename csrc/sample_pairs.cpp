@@ -61,17 +61,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
     // A row of 2^31 tokens has 2^61 pairs: the counts below stay far from overflow.
     TORCH_CHECK_VALUE(len[r] >= 0 && len[r] <= kMaxLength, "lengths[", r, "] must lie in [0, 2^31], got ", len[r]);
     TORCH_CHECK_VALUE(start[r] >= 0, "prefix_start[", r, "] must be >= 0, got ", start[r]);
-    int64_t n = 0;  // |P_r|, counted first: a row asked for no pair lists nothing
-    for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t, int64_t, int64_t count) { n += count; });
-    TORCH_CHECK_VALUE(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
-    if (kk[r] == 0) continue;
-    // The row's prefixes, their first suffix and first flat index.
+    // The row's prefixes, their first suffix and first flat index; a row asked for no pair only
+    // counts them (|P_r| for the check), so it lists nothing however long it is.
     first.clear(), first_i.clear(), first_j.clear();
-    n = 0;
+    const bool listing = kk[r] > 0;
+    int64_t n = 0;
     for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t i, int64_t j0, int64_t count) {
-      first.push_back(n), first_i.push_back(i), first_j.push_back(j0);
+      if (listing) first.push_back(n), first_i.push_back(i), first_j.push_back(j0);
       n += count;
     });
+    TORCH_CHECK_VALUE(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
+    if (!listing) continue;
     std::mt19937_64 gen(splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(static_cast<uint64_t>(r))));
     sorted.clear();
     if (kk[r] >= n / 64) {

@@ -249,7 +249,8 @@ class TextData(_Batches):
         added here). Any id outside 0..vocab_size-1 raises a ValueError naming the source and the
         (row, index) of the first one. max_len=None keeps documents whole."""
         vocab_size = check_int("vocab_size", vocab_size, 1)
-        _check_split(3 if max_len is None else max_len, held_out, seed)
+        # before a file is read; max_len None is replaced below by the longest document's
+        checked_len, held_out, seed = _check_split(3 if max_len is None else max_len, held_out, seed)
         if isinstance(rows, (str, Path)):
             source_name = source_name or str(rows)
             rows = load_ids(rows)
@@ -261,13 +262,13 @@ class TextData(_Batches):
                 raise ValueError(f"{name}={v} is outside the vocabulary 0..{vocab_size - 1}")
         if len({pad_id, bos_id, eos_id}) != 3:
             raise ValueError(f"pad_id, bos_id and eos_id must differ, got {pad_id}, {bos_id}, {eos_id}")
-        if max_len is None:  # (empty documents are dropped, and none left is an error, below)
-            max_len = max(max((len(r) for r in rows), default=0), 1) + 2
+        # (empty documents are dropped, and none left is an error, below)
+        max_len = checked_len if max_len is not None else max(max((len(r) for r in rows), default=0), 1) + 2
         self = cls.__new__(cls)
         self.tokenizer = None
         flat = np.concatenate(rows).astype(np.int32) if rows else np.empty(0, np.int32)
         self._build(flat, np.array([len(r) for r in rows], dtype=np.int64), vocab_size, pad_id,
-                    bos_id, eos_id, *_check_split(max_len, held_out, seed))
+                    bos_id, eos_id, max_len, held_out, seed)
         return self
 
     def _build(self, flat, doc_lengths, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed):
@@ -301,6 +302,11 @@ class TextData(_Batches):
         return len(self._held)
 
     @property
+    def held_out_lengths(self) -> torch.Tensor:
+        """(n_held_out,) int64: every held-out row's length, BOS and EOS included."""
+        return torch.from_numpy(self._held.sizes + 2)
+
+    @property
     def n_documents(self) -> int:
         return len(self._doc_lengths)
 
@@ -308,7 +314,7 @@ class TextData(_Batches):
         """Documents, tokens and a SHA-256 of the ids and document lengths: equal exactly when the
         rows, and so the split and every batch, are (given max_len, held_out and seed)."""
         h = hashlib.sha256(self._doc_lengths.astype("<i8").tobytes())
-        h.update(self._flat.astype("<i4").tobytes())
+        h.update(self._flat.astype("<i4", copy=False).data)  # no copy of the corpus
         return {"documents": self.n_documents, "tokens": int(self._doc_lengths.sum()), "sha256": h.hexdigest()}
 
     def batch(self, step: int, batch_size: int, seed: int):
