@@ -47,3 +47,29 @@ def test_gpu_check_refuses_an_unknown_backend():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "cpu", "tirton"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "invalid choice: 'tirton'" in run.stderr
+
+
+def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
+    """bench/segment_sums.py times the segment kernels under several launch shapes and checks each
+    against the first: every shape must give the same sums (up to float32 reassociation)."""
+    out = tmp_path / "seg.json"
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "segment_sums.py"), "--batch", "2", "--T", "9",
+                          "--d-model", "8", "--vocab", "5", "--reps", "1", "--parts", "swiglu", "text-sum",
+                          "--configs", "2x8x1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["part"] for r in rows} == {"swiglu", "text-sum"}
+    for part in ("swiglu", "text-sum"):
+        mine = [r for r in rows if r["part"] == part]
+        assert len(mine) == 3 and (mine[-1]["BS"], mine[-1]["BK"], mine[-1]["warps"]) == (2, 8, 1)
+        assert all(r["prefix_ms"] > 0 and r["suffix_ms"] > 0 and r["rel_err_vs_first"] < 1e-5 for r in mine), mine
+
+
+def test_segment_configs_refuses_an_unknown_name_and_passes_the_rest_to_pairs_py():
+    script = str(ROOT / "bench" / "segment_configs.py")
+    run = subprocess.run([sys.executable, script, "olde"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "usage: segment_configs.py {default,old,sweep}" in run.stderr
+    run = subprocess.run([sys.executable, script, "old", "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--subsample-T" in run.stdout  # pairs.py's own help

@@ -360,15 +360,15 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
         cfg = chunk_config("cuda", V or 1000, widths, dtype)
         if V > 0:
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
-                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
-                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["BK"]), 4, "*fp32"),
+                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
+                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"], "*fp32"))
         else:
-            g = gather_config("cuda", widths[0], swiglu=V < 0)
+            g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)
             launches = ((pair_hidden_kernel, dict(ACT=a, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
-                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["BK"]), 4, table),
-                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["BK"]), 4, table))
+                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table),
+                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table))
         for fn, consts, warps, table in launches:
             sig = {}
             for name in inspect.signature(fn.fn).parameters:
@@ -412,3 +412,16 @@ def test_compiles_for_cuda_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
     print(r.stdout)
+
+
+def test_gather_config_names_its_kinds():
+    from bst_fast.backends.configs import SEGMENT_KINDS, gather_config
+
+    with pytest.raises(ValueError, match=r"kind must be one of \('sum', 'act', 'swiglu'\), got 'gelu'"):
+        gather_config("cuda", 512, "gelu")
+    for device in ("cuda", "cpu"):
+        for kind in SEGMENT_KINDS:
+            cfg = gather_config(device, 48, kind)
+            # block widths are powers of two no wider than the rows need
+            assert all(cfg[k] & (cfg[k] - 1) == 0 and cfg[k] <= 64 for k in ("BK", "seg_BK")), cfg
+            assert cfg["BS"] >= 1 and cfg["seg_warps"] in (1, 2, 4, 8)

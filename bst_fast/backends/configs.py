@@ -38,18 +38,37 @@ def ce_config(device_type: str, V: int) -> dict:
     return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
 
 
-def gather_config(device_type: str, width: int, swiglu: bool = False) -> dict:
-    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide
-    (with swiglu: outputs `width` wide, SWIGLU's segment sums)."""
+SEGMENT_KINDS = ("sum", "act", "swiglu")
+
+
+def gather_config(device_type: str, width: int, kind: str = "act") -> dict:
+    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide (for
+    "swiglu": outputs `width` wide). `kind` is what the segment sums read per slot besides dH:
+    "sum" nothing (NO_ACT), "act" the other side's row (an activation's z), "swiglu" its two
+    halves. BM, BK, hidden_warps shape the forward gather; BS, seg_BK, seg_warps the segment sums."""
+    if kind not in SEGMENT_KINDS:
+        raise ValueError(f"kind must be one of {SEGMENT_KINDS}, got {kind!r}")
     if device_type == "cuda":
-        # The gathers are memory-bound: 16 elements a thread (BM x BK or BS x BK over 4 warps) keeps
-        # registers low enough for several blocks per SM. 64 x 128 at 4 warps spilled 360 bytes
-        # (ptxas, sm_90): the int64 row offsets double the registers of every gathered element.
-        # SWIGLU loads twice the tiles (gate and up): its segment sums at BS=16 take 91-127
-        # registers (ptxas sm_90, Triton 3.6 / 3.9), four blocks an SM, at BS=8 47-56; its gather
-        # at BM=16 94-96. Half the rows a block keeps as many elements in flight per thread as the
-        # plain kernels (chosen from the registers alone: not timed on a GPU).
-        rows = 8 if swiglu else 16
-        return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), BS=rows, hidden_warps=4)
+        # The forward gather is memory-bound and fully parallel: 16 elements a thread (BM x BK over
+        # 4 warps) keeps registers low enough for several blocks per SM; it wrote H at ~900 GB/s
+        # on an H200 while reading its rows from L2. 64 x 128 at 4 warps spilled 360 bytes (ptxas,
+        # sm_90): the int64 row offsets double the registers of every gathered element. SWIGLU
+        # loads twice the tiles (gate and up): BM=8.
+        rows = 8 if kind == "swiglu" else 16
+        # A segment sum is a serial loop over a segment's slots per program, bound by the latency of
+        # its dependent loads (slot -> the other side's row index -> its row): what pays is more
+        # programs resident and more rows a loop step. On an H200 (bench/results/h200-run4), prefix +
+        # suffix sums per chunk, kernels alone (bench/segment_sums.py): SWIGLU 0.48-0.55 ms at
+        # BS=32 x 64 on 2 warps against 1.45-1.48 at the old 8 x 128 on 4, and the SwiGLU head's
+        # torch-backend objective 90.9 ms against 134.6 side by side; "act" (a TextHead's gelu in
+        # the triton backend) 0.19 against 0.29 ms, its objective 27.2 against 28.2 ms. 8 warps
+        # were slowest everywhere, a pipelined loop (num_stages 3) no faster. Plain sums ("sum")
+        # keep 16 x 128 on 4 warps: 64 x 32 on 2 halved the kernels alone (0.13 against 0.25 ms),
+        # yet the objectives that use them ran slower with it in both side-by-side runs (TextHead
+        # through the torch backend 32.3 against 27.7 ms and 27.4 against 26.3; cause not found).
+        seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
+        return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
+                    BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2])
     # the interpreter: small blocks that still exercise every loop
-    return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), BS=4, hidden_warps=4)
+    return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), hidden_warps=4,
+                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4)

@@ -71,7 +71,7 @@ TRITON_OPS: Optional[bool] = None
 # torch.compile the head's per-pair tail, forward and backward (BST_FAST_TORCH_COMPILE=1). Two graphs:
 # one at the full chunk's pair count and, from the first other count (the last chunk), one with a
 # dynamic count; a new head, dtype or autocast state compiles anew. Off by default: on the CPU it was
-# 2-7% faster once compiled, after seconds of compiling; on a GPU it is not yet measured (docs/backends.md).
+# 2-7% faster once compiled, after seconds of compiling; on an H200 2% for the SwiGLU head (docs/backends.md).
 COMPILE = env_flag("BST_FAST_TORCH_COMPILE")
 # A swiglu part (pair_parts' `swiglu`) as one fused step: silu(gate) * up formed by the pair-sum engine
 # from the float32 sums, and its gradient taken there from recomputed sums (the default). Off
@@ -258,9 +258,9 @@ class _TritonOps:
         # launch shapes by what a part's kernels do: its sum, a half (gate or up), or SWIGLU
         self.cfg = []
         for P in self.P:
-            half = gather_config(P.device.type, P.shape[1] // 2)
-            self.cfg.append(dict(sum=gather_config(P.device.type, P.shape[1]), gate=half, up=half,
-                                 swiglu=gather_config(P.device.type, P.shape[1] // 2, swiglu=True)))
+            half = gather_config(P.device.type, P.shape[1] // 2, "sum")
+            self.cfg.append(dict(sum=gather_config(P.device.type, P.shape[1], "sum"), gate=half, up=half,
+                                 swiglu=gather_config(P.device.type, P.shape[1] // 2, "swiglu")))
         self.up = [interpreted_bf16(d) for d in dtypes]
         self.act = dict(swiglu=SWIGLU.value, gate=NO_ACT.value, up=NO_ACT.value, sum=NO_ACT.value)
         self.tok, self.lam = tokens.contiguous().reshape(-1), float(next_weight)

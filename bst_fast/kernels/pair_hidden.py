@@ -30,9 +30,13 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   each reduction one es read of dH and two float32 reads (L2). So about 3 * es of memory traffic
   per unit, against about 19 * es when gate and up are stored and combined by torch (written:
   gate, up, silu(gate), H, and three gradients; read back: 12), 16 KB against 102 KB per pair for
-  the SwiGLU head at m=512 in bf16. ptxas (sm_90, Triton 3.9 / 3.6): 94-96 / 80-88 registers in
-  the gather and 119-128 / 90-92 in the segment kernels at the plain kernels' 16 rows a block; at
-  8 rows (backends/configs.py) 40 and 47-56, no spills.
+  the SwiGLU head at m=512 in bf16.
+- Launch shapes (backends/configs.py gather_config): the segment loop is latency-bound (slot ->
+  other row index -> row, dependent loads): more rows a loop step on fewer warps measured fastest.
+  Activation and SWIGLU sums run 32 slots x 64 units on 2 warps: 127-168 registers (ptxas sm_90,
+  Triton 3.9), no spills, and on an H200 a third of the old 8 x 128 on 4 warps' time for SWIGLU
+  (bench/results/h200-run4).
+  Plain sums keep 16 x 128 on 4 warps (32-54 registers): see configs.py for why.
 """
 import triton
 import triton.language as tl
@@ -182,11 +186,12 @@ def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
             or read and (A.stride() != dA.stride() or Bm.stride() != dA.stride())):
         raise ValueError(f"segment_grads: dH {tuple(dH.shape)}, dA {tuple(dA.shape)} / {dA.stride()}, dB {dB.stride()}, "
                          f"A {A.stride()}, B {Bm.stride()} do not fit act {act}")
-    grid_k = triton.cdiv(h, cfg["BK"])
+    BS, BK, warps = cfg["BS"], cfg["seg_BK"], cfg["seg_warps"]
+    grid_k = triton.cdiv(h, BK)
     if pre_hi > pre_lo:
         prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
-            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=cfg["BS"], BK=cfg["BK"])
+            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=BS, BK=BK, num_warps=warps)
     if suf_hi > suf_lo:
         suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
             dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pl.search_steps, scale,
-            ACT=act, BS=cfg["BS"], BK=cfg["BK"])
+            ACT=act, BS=BS, BK=BK, num_warps=warps)
