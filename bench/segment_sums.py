@@ -4,11 +4,14 @@ head's torch-backend shape, over a sweep of the segment kernels' launch configs.
 In a training step of the SwiGLU head (m=512, hidden 2688, B=32, T=256, bf16) on an H200 the two
 segment kernels took 68 ms of 142 (bench/results/h200-run4): ~0.75 ms a chunk each, against
 ~0.1 ms for the forward gather over the same rows. This script measures each kernel per chunk for
-every config, checks that every config gives the default config's sums (up to float32
-reassociation), and prints one table, fastest first.
+every config (the old one first, then the default, then a sweep of block shapes and warps), checks
+that every config gives the first one's sums (up to float32 reassociation), and prints a table per
+part, fastest first. Parts: the SwiGLU head's swiglu and residual sums (torch backend), a TextHead's
+gelu sums (triton backend) and its first-layer sums (torch backend).
 
-    python bench/segment_sums.py                 # the sweep (CUDA)
-    python bench/segment_sums.py --quick         # the default config and a few others
+    python bench/segment_sums.py                                 # the sweep (CUDA)
+    python bench/segment_sums.py --quick                         # two block shapes, then warps
+    python bench/segment_sums.py --parts residual --configs 16x128x4 64x32x2   # just these
 """
 from __future__ import annotations
 
