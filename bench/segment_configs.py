@@ -29,7 +29,7 @@ def main():
     table = CONFIGS[sys.argv[1]]
     default = configs.gather_config
 
-    def gather_config(device_type, width, kind="act"):
+    def gather_config(device_type, width, kind):
         cfg = default(device_type, width, kind)
         if table is not None and device_type == "cuda":
             BS, BK, warps = table[kind]

@@ -18,41 +18,28 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import statistics
-import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# bench/ is this script's folder, first on the path: segment_configs (the launch shapes by name)
+# first, then pairs (its timer), which takes bench/ off the path and puts the project root on it
+from segment_configs import CONFIGS
+from pairs import timed as timed_s
+from bst_fast._pairs import Pairs, pair_list
+from bst_fast.backends import torch_backend
+from bst_fast.backends.configs import chunk_config, gather_config
+from bst_fast.head import swiglu_hidden
+from bst_fast.kernels.activation import ACT, NO_ACT, SWIGLU
+from bst_fast.kernels.pair_hidden import pair_hidden, segment_grads
 
-from bst_fast._pairs import Pairs, pair_list  # noqa: E402
-from bst_fast.backends.configs import chunk_config, gather_config  # noqa: E402
-from bst_fast.head import swiglu_hidden  # noqa: E402
-from bst_fast.kernels.activation import ACT, NO_ACT, SWIGLU  # noqa: E402
-from bst_fast.kernels.pair_hidden import pair_hidden, segment_grads  # noqa: E402
+INNER = 10  # launches per timed sample on a GPU: a ~0.1 ms kernel's launch and the host clock amortised
 
 
-def timed(fn, reps):
-    """Median ms of fn() over reps runs after two warm-up runs (the first compiles): CUDA events, or
-    the wall clock on the CPU (TRITON_INTERPRET=1, a smoke test of this script only)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+def timed(fn, device, reps):
+    """Median ms of one fn(): bench/pairs.py's timer over INNER calls a sample on a GPU, one on the
+    CPU (the interpreter, a smoke test only); its warm-up sample compiles."""
+    inner = INNER if device == "cuda" else 1
+    return timed_s(lambda: [fn() for _ in range(inner)], device, reps)[0] / inner * 1e3
 
 
 def main():
@@ -73,9 +60,9 @@ def main():
     B, T, m, V = args.batch, args.T, args.d_model, args.vocab
     hid = swiglu_hidden(m)
     BL = B * T
-    # the torch backend's chunk for this head in bf16: 256 MB over (logits 2V, the residual part
-    # 2m, the fused swiglu output hid) bf16 elements a pair (torch_backend.CHUNK_BYTES, per_pair)
-    chunk = 256 * 2**20 // (2 * (2 * V + 2 * m + hid))
+    # the torch backend's chunk for this head in bf16: its budget over (logits 2V, the residual
+    # part 2m, the fused swiglu output hid) bf16 elements a pair (as _ChunkedLoss counts per_pair)
+    chunk = torch_backend.chunk_pairs(2 * (2 * V + 2 * m + hid), dev)
     lengths = torch.full((B,), T, dtype=torch.int64, device=dev)
     p = Pairs(lengths=lengths, prefix_start=torch.zeros_like(lengths), min_gap=2, max_gap=T,
               scale=torch.ones((), dtype=torch.float64, device=dev))
@@ -89,13 +76,12 @@ def main():
     parts = [("swiglu", "swiglu", SWIGLU.value, 2 * hid, hid, torch.float32, chunk),
              ("residual", "sum", NO_ACT.value, 2 * m, 2 * m, torch.bfloat16, chunk),
              ("text-gelu", "act", ACT["gelu"], m, m, torch.float32, text_chunk),
-             # the torch backend's TextHead: its first layer's pair sums, m wide, bf16 (chunk: 256
-             # MB over the logits and that sum)
-             ("text-sum", "sum", NO_ACT.value, m, m, torch.bfloat16, 256 * 2**20 // (2 * (2 * V + m)))]
+             # the torch backend's TextHead: its first layer's pair sums, m wide, bf16 (chunk: its
+             # budget over the logits and that sum)
+             ("text-sum", "sum", NO_ACT.value, m, m, torch.bfloat16, torch_backend.chunk_pairs(2 * (2 * V + m), dev))]
     if args.parts:
         parts = [q for q in parts if q[0] in args.parts]
-    # the configs before bench/results/h200-run4 (BS, BK, warps), timed first
-    old = dict(swiglu=(8, 128, 4), sum=(16, 128, 4), act=(16, 128, 4))
+    old = CONFIGS["old"]  # the shapes before bench/results/h200-run4 (BS, BK, warps), timed first
     rows = []
     for part, kind, act, wide, h, tdt, chunk in parts:
         pl = pair_list(p, B, T, chunk)
@@ -112,9 +98,9 @@ def main():
             dA = torch.zeros(2 * BL, wide, dtype=torch.float32, device=dev)
             ia, ib = pl.ia[s0 : s0 + n].long(), pl.ib[s0 : s0 + n].long()
             for side, idx in (("prefix", ia), ("suffix", ib)):
-                ms = timed(lambda: dA.index_add_(0, idx, dH.float()), args.reps)
+                ms = timed(lambda: dA.index_add_(0, idx, dH.float()), dev.type, args.reps)
                 print(f"{part}: torch index_add_ of dH.float() ({side} rows) {ms:.3f} ms")
-        fwd = timed(lambda: pair_hidden(A, Bm, pl, s0, n, H, act, base, False), args.reps)
+        fwd = timed(lambda: pair_hidden(A, Bm, pl, s0, n, H, act, base, False), dev.type, args.reps)
         gbytes = n * h * 2 / 1e9
         print(f"{part}: forward gather {fwd:.3f} ms ({gbytes / fwd * 1e3:.0f} GB/s of H written); default {base}")
         ref = None
@@ -126,6 +112,8 @@ def main():
             sweep += [tuple(int(x) for x in c.split("x")) for c in args.configs]
         else:
             sweep += [(BS, BK, 2) for BS, BK in shapes]
+        # each shape once, its block no wider than the rows (old and default can coincide)
+        sweep = list(dict.fromkeys((BS, min(BK, base["BK"]), w) for BS, BK, w in sweep))
         first = len(sweep) + 1 if args.configs else len(sweep)  # explicit configs: no second round
         for BS, BK, warps in sweep:  # grows once, after the first round
             cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps)
@@ -134,7 +122,8 @@ def main():
             for side in ("prefix", "suffix"):  # one side at a time: the other's segment range emptied
                 c = mid[:4] + (0, 0) if side == "prefix" else mid[:2] + (0, 0) + mid[4:]
                 try:
-                    only[side] = timed(lambda: segment_grads(dH, A, Bm, pl, c, dA[:BL], dA[BL:], act, 1.0, cfg), args.reps)
+                    only[side] = timed(lambda: segment_grads(dH, A, Bm, pl, c, dA[:BL], dA[BL:], act, 1.0, cfg),
+                                       dev.type, args.reps)
                 except Exception as e:  # a config that does not compile (shared memory, registers)
                     only[side] = None
                     print(f"  {BS}x{BK} w{warps} {side}: {type(e).__name__}: {str(e)[:120]}")

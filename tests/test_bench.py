@@ -61,9 +61,11 @@ def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["part"] for r in rows} == {"swiglu", "text-sum"}
-    for part in ("swiglu", "text-sum"):
+    # swiglu: the old shape, the default, the one asked for; text-sum (8 wide): the old shape's
+    # block clipped to the rows is the default's, timed once
+    for part, n in (("swiglu", 3), ("text-sum", 2)):
         mine = [r for r in rows if r["part"] == part]
-        assert len(mine) == 3 and (mine[-1]["BS"], mine[-1]["BK"], mine[-1]["warps"]) == (2, 8, 1)
+        assert len(mine) == n and (mine[-1]["BS"], mine[-1]["BK"], mine[-1]["warps"]) == (2, 8, 1)
         assert all(r["prefix_ms"] > 0 and r["suffix_ms"] > 0 and r["rel_err_vs_first"] < 1e-5 for r in mine), mine
 
 

@@ -8,7 +8,7 @@ import torch
 from bst_fast.data import (StarGraphData, StarGraphStream, StarGraphTokenizer, TextData,
                            generate_star_graphs, graph_keys, load_tokenizer, path_accuracy,
                            save_tokenizer, train_bpe)
-from bst_fast.data.text import read_documents
+from bst_fast.data.text import iter_documents
 
 
 # ---------------------------------------------------------------------------- star graph format
@@ -317,7 +317,7 @@ def test_text_data_batches(corpus):
     whole = TextData(corpus, tok, max_len=12, held_out=0.0)
     tokens, lengths = whole.batch(0, whole.n_train, 0)
     rows = {tuple(r[1:n - 1].tolist()) for r, n in zip(tokens, lengths)}
-    docs = read_documents(corpus)
+    docs = list(iter_documents(corpus))
     assert len(docs) == 43 and "\n" in docs[0]                # a single newline does not split
     long_doc = tok.encode(docs[1]).ids
     assert len(long_doc) > 20
@@ -434,13 +434,13 @@ def test_a_tokenizer_json_that_pads_or_truncates_changes_nothing(corpus, tmp_pat
 
 def test_text_files_must_be_utf8_and_hidden_folders_are_skipped(tmp_path):
     (tmp_path / "a.txt").write_bytes("\ufeffHello world.\n\ncaf\u00e9 na\u00efve".encode("utf-8"))
-    assert read_documents(tmp_path) == ["Hello world.", "caf\u00e9 na\u00efve"]  # the BOM is dropped
+    assert list(iter_documents(tmp_path)) == ["Hello world.", "caf\u00e9 na\u00efve"]  # the BOM is dropped
     (tmp_path / ".ipynb_checkpoints").mkdir()
     (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("Hello world.")
-    assert read_documents(tmp_path) == ["Hello world.", "caf\u00e9 na\u00efve"]
+    assert list(iter_documents(tmp_path)) == ["Hello world.", "caf\u00e9 na\u00efve"]
     (tmp_path / "b.txt").write_bytes("caf\u00e9".encode("latin-1"))
     with pytest.raises(ValueError, match=r"b\.txt: not UTF-8 text \(byte 3"):
-        read_documents(tmp_path)
+        list(iter_documents(tmp_path))
     np.save(tmp_path / "ids.npy", np.arange(10))
     with pytest.raises(ValueError, match=r"ids\.npy: not UTF-8 .*TextData\.from_ids"):
         train_bpe(tmp_path / "ids.npy", 300)

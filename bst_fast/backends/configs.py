@@ -25,7 +25,7 @@ def chunk_config(device_type: str, V: int, widths, dtype) -> dict:
     # layer's z1 = A_i + B_j is recomputed); dH and dZ of the widest; the loss row (float32)
     per_pair = es * (2 * V + sum(widths) + sum(widths[1:]) + 2 * max(widths)) + 4
     chunk = CHUNK_PAIRS or max(1, CHUNK_BYTES // per_pair)
-    return dict(chunk=chunk, **gather_config(device_type, widths[0]), **ce_config(device_type, V))
+    return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V))
 
 
 def ce_config(device_type: str, V: int) -> dict:
@@ -41,7 +41,7 @@ def ce_config(device_type: str, V: int) -> dict:
 SEGMENT_KINDS = ("sum", "act", "swiglu")
 
 
-def gather_config(device_type: str, width: int, kind: str = "act") -> dict:
+def gather_config(device_type: str, width: int, kind: str) -> dict:
     """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide (for
     "swiglu": outputs `width` wide). `kind` is what the segment sums read per slot besides dH:
     "sum" nothing (NO_ACT), "act" the other side's row (an activation's z), "swiglu" its two

@@ -75,11 +75,6 @@ def iter_documents(paths):
     return documents()
 
 
-def read_documents(paths) -> list[str]:
-    """The documents of a file, a folder or a list of them, in sorted file order."""
-    return list(iter_documents(paths))
-
-
 def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS):
     """A byte-level BPE tokenizer trained on the documents of `paths` (the paper: vocab 1000).
 
