@@ -17,7 +17,9 @@ from .decode import Plan, beam_search, plan, sample
 from .head import ResidualSwiGLUHead, TextHead
 from .loss import BACKENDS, BeliefStateLoss, belief_state_loss
 from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
-from .trainer import TrainConfig, TrainingStopped, load_model, train
+from .checkpoint import load_model
+from .config import TrainConfig
+from .trainer import TrainingStopped, train
 
 __all__ = [
     # the loss

@@ -7,67 +7,16 @@ beam search); probe: belief-state probes of star-graph checkpoints.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import re
+import os
 import sys
 from pathlib import Path
 
-from .trainer import bundled_configs
+from .config import apply_sets, bundled_configs
 
 CONFIGS = bundled_configs()
 CONFIG_HELP = ("a YAML or JSON TrainConfig file, or a shipped config by name: "
                + ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml"))))
-
-
-def _is_text_field(key):
-    """Whether the config field `key` (dotted for the model's) holds a string: its --set value is
-    the text as written, so data=2024 or out_dir=on name a file, not a number or a bool."""
-    import dataclasses
-
-    from .trainer import TrainConfig, _default
-
-    cls = TrainConfig
-    *parents, leaf = key.split(".")
-    for name in parents:
-        field = {f.name: f for f in dataclasses.fields(cls)}.get(name)
-        if field is None or not dataclasses.is_dataclass(_default(field)):
-            return False
-        cls = type(_default(field))
-    field = {f.name: f for f in dataclasses.fields(cls)}.get(leaf)
-    return field is not None and isinstance(_default(field), str)
-
-
-def _apply_sets(cfg, sets):
-    """--set a.b=value overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2] work), except
-    that a string field takes the text as written ('#', '~' and 'null' included; quotes are
-    removed) and an integer is decimal (010 is 10); the same rules as bst_fast.train's keyword
-    overrides (trainer.apply_overrides)."""
-    import yaml
-
-    from .trainer import apply_overrides
-
-    overrides = []
-    for item in sets:
-        if "=" not in item:
-            raise ValueError(f"--set takes key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        key, text = key.strip(), value.strip()
-        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-        if _is_text_field(key) and not quoted:
-            parsed = text  # as written: YAML would cut "runs/exp #2" at the '#', or read '~' as null
-        elif re.fullmatch(r"[+-]?[0-9]+", text):
-            parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
-        else:
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                raise ValueError(f"--set {key}: {value!r} is not a YAML value ({e})") from None
-        overrides.append((key, parsed))
-    cfg = apply_overrides(cfg, {})  # a copy even without overrides
-    for key, value in overrides:  # one at a time: --set may name a field twice, the last one wins
-        cfg = apply_overrides(cfg, {key: value})
-    return cfg
 
 
 def _positive(text):
@@ -79,9 +28,9 @@ def _positive(text):
 
 
 def _load(args):
-    from .trainer import resolve_config
+    from .config import resolve_config
 
-    return _apply_sets(resolve_config(args.config), args.set or [])
+    return apply_sets(resolve_config(args.config), args.set or [])
 
 
 def cmd_train(args):
@@ -92,121 +41,28 @@ def cmd_train(args):
     print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
 
 
+def cmd_star(args):
+    from .experiments import star
+
+    star(_load(args), args.methods, args.resume)
+
+
+def cmd_table(args):
+    from .experiments import table
+
+    table(_load(args), args.resume, args.out, args.note)
+
+
 _RESUME_EACH = ("continue an interrupted job: each run from its latest checkpoint, a finished one "
                 "reported, one not started yet started")
 
 
-def _train_run(cfg, resume):
-    """One run of star or table. Without --resume it starts over; with it, a run continues from its
-    checkpoint, a finished run reports its logged final figures, and a run that had not written a
-    checkpoint yet (the job stopped during an earlier run) starts."""
-    from .trainer import NothingToTrain, latest_checkpoint, train
-
-    go_on = resume and latest_checkpoint(cfg.out_dir) is not None
-    try:
-        return train(cfg, resume=go_on, overwrite=not go_on)
-    except NothingToTrain as done:
-        if not done.result:  # no figures: a finished run whose metrics.csv is gone
-            raise
-        print(f"(finished before: {cfg.out_dir})", flush=True)
-        return done.result
-
-
-def cmd_star(args):
-    """Trains the BST and the forward-only baseline on one config and prints their path accuracy."""
-    base = _load(args)
-    rows = []
-    for method in args.methods:
-        cfg = copy.deepcopy(base)
-        cfg.method = method
-        cfg.out_dir = str(Path(base.out_dir) / method)
-        print(f"== {method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
-              f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
-        result = _train_run(cfg, args.resume)  # a reproduction reruns, unless resumed
-        rows.append((method, result))
-    print("\n| method | path accuracy | final loss | steps/s |")
-    print("| --- | --- | --- | --- |")
-    for method, r in rows:
-        print(f"| {method} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
-              f"{r.get('steps_per_s', float('nan')):.2f} |")
-    d = base.star_degree
-    print(f"\n(a forward-only model that learned only the 'flawed cheat' scores about 1/d = {1 / d:.3f})")
-
-
-# The paper's star-graph figure: its four baselines, the BST and the two BST ablations.
-TABLE_ROWS = (
-    ("forward-only", {"method": "forward"}),
-    ("data augmentation", {"method": "augment"}),
-    ("fill-in-the-middle", {"method": "fim"}),
-    ("teacherless (multi-token)", {"method": "teacherless"}),
-    ("BST", {"method": "bst"}),
-    ("BST w/o Prev", {"method": "bst", "next_weight": 1.0}),
-    ("BST w/o backward", {"method": "bst", "model.backward_encoder": False}),
-)
-# Every row starts from the full BST's settings, so a base config's ablation never reaches the row
-# labelled "BST".
-TABLE_BASE = {"next_weight": 0.5, "model.backward_encoder": True}
-
-
-def machine() -> str:
-    """The CPU (or GPU) model, the thread count and the torch version, for result files."""
-    import platform
-
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-
-
-def cmd_table(args):
-    """Trains every row of TABLE_ROWS on one config and prints path accuracy per method."""
-    import time
-
-    base = _load(args)
-    rows = []  # every row's config is checked before the first one trains
-    for label, changes in TABLE_ROWS:
-        cfg = _apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in {**TABLE_BASE, **changes}.items()]).check()
-        cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
-        rows.append((label, cfg))
-    lines = []
-    for label, cfg in rows:
-        print(f"== {label}", flush=True)
-        t0 = time.perf_counter()
-        r = _train_run(cfg, args.resume)
-        lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
-                     f"{time.perf_counter() - t0:.0f} |")
-    text = "\n".join([
-        f"Star graph G({base.star_degree},{base.star_path_len}), N={base.star_nodes} node labels, "
-        f"{base.n_test} test graphs; {base.model.n_layer} layers x {base.model.d_model}, "
-        f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", "",
-        "| method | path accuracy | final train loss | train time (s) |", "| --- | --- | --- | --- |", *lines, "",
-        f"(guessing one arm at random scores 1/d = {1 / base.star_degree:.3f})"])
-    print("\n" + text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text((args.note + "\n\n" if args.note else "") + text + "\n")
-
-
 def _resolve_checkpoint(path):
     """(checkpoint folder, model, config); any failure is a ValueError naming the path."""
-    from .trainer import latest_checkpoint, load_model
+    from .checkpoint import find_checkpoint, load_model
 
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
     try:
-        ckpt = path if (path / "config.json").exists() else latest_checkpoint(path)
-        if ckpt is None:
-            raise ValueError("it is neither a checkpoint folder nor a run folder with checkpoints")
+        ckpt = find_checkpoint(path)
         model, cfg = load_model(ckpt)
     except Exception as e:  # json, safetensors and shape errors alike: the file is not a usable checkpoint
         raise ValueError(f"cannot load checkpoint {path}: {e}") from e
@@ -241,16 +97,16 @@ class _StarCodec:
 
 
 class _TextCodec:
-    """BPE text <-> ids with the run's tokenizer.json (written by training beside the checkpoints)."""
+    """BPE text <-> ids with the tokenizer.json the checkpoint carries (checked with its checksums):
+    never another folder's, which may belong to another corpus."""
 
-    def __init__(self, ckpt, cfg):
+    def __init__(self, ckpt):
         from .data import load_tokenizer
+        from .tasks import TOKENIZER
 
-        places = [ckpt.parent.parent / "tokenizer.json", Path(cfg.out_dir) / "tokenizer.json"]
-        found = next((p for p in places if p.exists()), None)
-        if found is None:
-            raise ValueError(f"no tokenizer.json for checkpoint {ckpt} (looked in {', '.join(map(str, places))})")
-        self.tok = load_tokenizer(found)
+        if not (ckpt / TOKENIZER).is_file():
+            raise ValueError(f"checkpoint {ckpt} holds no {TOKENIZER}")
+        self.tok = load_tokenizer(ckpt / TOKENIZER)
         self.bos_id, self.eos_id = self.tok.token_to_id("<bos>"), self.tok.token_to_id("<eos>")
 
     def encode(self, text):
@@ -267,7 +123,7 @@ def cmd_generate(args):
 
     ckpt, model, cfg = _resolve_checkpoint(args.checkpoint)
     star = cfg.data == "star"
-    codec = _StarCodec(cfg) if star else _TextCodec(ckpt, cfg)
+    codec = _StarCodec(cfg) if star else _TextCodec(ckpt)
     prompt = codec.encode(args.prefix)
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
@@ -353,7 +209,6 @@ def _prog() -> str:
 
 
 def main(argv=None):
-    from .trainer import TrainingStopped
 
     ap = argparse.ArgumentParser(prog=_prog(), description="Belief State Transformer training: "
                                  "the Python API is bst_fast.train(config, **overrides)")
@@ -398,13 +253,26 @@ def main(argv=None):
     try:
         {"train": cmd_train, "star": cmd_star, "table": cmd_table, "generate": cmd_generate,
          "probe": cmd_probe}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # bad input: a config, an argument, a folder
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, RuntimeError, MemoryError, TypeError, KeyError, IndexError) as e:
+        # a fault of the machine or the run (a full disk, a read-only folder, a size that does not fit,
+        # a non-finite loss): one line, and the traceback only when asked for
+        if os.environ.get("BST_FAST_TRACEBACK"):
+            raise
+        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
+
+
+def _one_line(error: BaseException, limit: int = 2000) -> str:
+    """An error's message on one bounded line (torch's errors span several)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 if __name__ == "__main__":

@@ -12,5 +12,22 @@ def check_int(name: str, value, lowest: int) -> int:
     except TypeError:
         v = None
     if v is None or v < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+        raise ValueError(f"{name} must be an int >= {lowest}, got {short(value)}")
     return v
+
+
+def short(value, limit: int = 200) -> str:
+    """repr(value) bounded in depth, width and length (reprlib, then cut to `limit` characters): an
+    error message quotes what it was given, but a hostile value (a YAML file of nested aliases, a
+    huge list) must not make the message itself huge."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 8, 8, 8, 8
+    r.maxstring = r.maxother = r.maxlong = limit
+    try:
+        text = r.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<{type(value).__name__} of about {value.bit_length() * 0.30103:.0f} digits>" if isinstance(value, int) \
+            else f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."

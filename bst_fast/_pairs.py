@@ -1,4 +1,4 @@
-"""Pair set, labels, weights and input checks of docs/contract.md §2, §4 and §5: the shared math every backend calls."""
+"""Pair set, labels, weights and input checks of docs/contract.md §2, §4, §5, §8 and §9: the shared math every backend calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,28 +6,33 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from . import _ext  # noqa: F401  (the sampler op, bst_fast::sample_pairs)
+
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "row_mean")
 
 
 @dataclass
 class Pairs:
     """A batch's pair set after checking: every backend reads the same object.
 
-    `row is None` means all pairs of docs/contract.md §2 (the implicit triangle), each weighted by `scale`.
-    Otherwise `(row, i, j)` lists the pairs, each weighted by `weight` (subsampling estimator or
-    the plain mean of explicit pairs).
+    `row is None` means all pairs of docs/contract.md §2 (the implicit triangle), each weighted by `scale`
+    (one scale for every pair, or each row's own with reduction="row_mean"). Otherwise `(row, i, j)`
+    lists the pairs, each weighted by `weight` (subsampling estimator or the mean of explicit pairs).
     """
 
     lengths: torch.Tensor  # (B,) int64, on the tokens' device
     prefix_start: torch.Tensor  # (B,) int64
     min_gap: int
     max_gap: int  # already clipped to L: a pair never spans more than L - 1
-    scale: torch.Tensor  # () float64: the weight of every pair in the all-pairs case
+    # the weight of every pair in the all-pairs case: () float64, or (B,) one per row (row_mean, §9)
+    scale: torch.Tensor
     row: Optional[torch.Tensor] = None  # (n,) int64
     i: Optional[torch.Tensor] = None  # (n,) int64
     j: Optional[torch.Tensor] = None  # (n,) int64
     weight: Optional[torch.Tensor] = None  # (n,) float64; backends cast to their accumulation dtype
+    # both labels of a pair with j - i = 1 (docs/contract.md §8); None whenever min_gap >= 2 (no such pair)
+    meet_token: Optional[int] = None
 
 
 def prefix_counts(lengths, prefix_start, min_gap, max_gap, L):
@@ -56,9 +61,14 @@ def pair_mask(lengths, prefix_start, min_gap, max_gap, L):
     )
 
 
-def labels(tokens, row, i, j):
-    """Next label tokens[r, i+1] and Prev label tokens[r, j-1] of each pair (docs/contract.md §2)."""
-    return tokens[row, i + 1], tokens[row, j - 1]
+def labels(tokens, row, i, j, meet_token=None):
+    """Next label tokens[r, i+1] and Prev label tokens[r, j-1] of each pair (docs/contract.md §2);
+    with meet_token, both labels of a pair with j - i = 1 are meet_token (§8)."""
+    y_next, y_prev = tokens[row, i + 1], tokens[row, j - 1]
+    if meet_token is not None:
+        meets = j - i == 1
+        y_next, y_prev = y_next.masked_fill(meets, meet_token), y_prev.masked_fill(meets, meet_token)
+    return y_next, y_prev
 
 
 def flat_pairs(p: Pairs, L: int):
@@ -67,7 +77,8 @@ def flat_pairs(p: Pairs, L: int):
     ia = row * L + i indexes f (its Next label is tokens.flatten()[ia + 1]), ib = row * L + j
     indexes b (its Prev label is tokens.flatten()[ib - 1]). All pairs come ordered by (row, i, j),
     built without a loop over rows and with one host synchronisation (their count); weight is None
-    then (every pair weighs p.scale). Explicit or sampled pairs keep their order and weights."""
+    then when every pair weighs the one p.scale, else each pair's row's scale (row_mean). Explicit
+    or sampled pairs keep their order and weights."""
     if p.row is not None:
         return p.row * L + p.i, p.row * L + p.j, p.weight
     dev = p.lengths.device
@@ -77,7 +88,7 @@ def flat_pairs(p: Pairs, L: int):
     ia = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=total)
     # the k-th pair of prefix (r, i) has j = i + min_gap + k
     ib = ia + p.min_gap + (torch.arange(total, device=dev) - first[ia])
-    return ia, ib, None
+    return ia, ib, None if p.scale.dim() == 0 else p.scale[ia // L]
 
 
 @dataclass
@@ -101,6 +112,7 @@ class PairList:
     # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
     chunks: List[Tuple[int, int, int, int, int, int]]
     search_steps: int  # binary-search rounds that cover the longest suffix segment
+    meet_token: Optional[int] = None  # both labels of a pair with ib - ia = 1 (docs/contract.md §8), as in Pairs
 
 
 def _exclusive_cumsum(counts):
@@ -119,10 +131,11 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
         w = torch.ones(1, dtype=dtype, device=dev)
         w_stride, wscale = 0, p.scale.to(dtype)
     else:
-        order = torch.sort(ia * BL + ib, stable=True).indices
-        ia, ib = ia[order], ib[order]
+        if p.row is not None:  # listed pairs: sorted here (all pairs come sorted, each weighing its row's scale)
+            order = torch.sort(ia * BL + ib, stable=True).indices
+            ia, ib, weight = ia[order], ib[order], weight[order]
         wmax = weight.max()
-        w, wscale = (weight[order] / wmax).to(dtype), wmax.to(dtype)
+        w, wscale = (weight / wmax).to(dtype), wmax.to(dtype)
         w_stride = 1
     pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
     perm = torch.sort(ib * BL + ia, stable=True).indices
@@ -148,13 +161,11 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
     return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
                     chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
-                    search_steps=int(table[-2]).bit_length())
+                    search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token)
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     """k[r] pairs of row r, uniform without replacement (docs/contract.md §5), drawn by the C++ sampler."""
-    from .backends import cpp_backend  # noqa: F401  (the sampler op is registered with the extension)
-
     # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
     # the global RNG; the C++ sampler derives one stream per row from it.
     dev = generator.device if generator is not None else "cpu"
@@ -225,7 +236,7 @@ def check_f(f):
 
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
-            next_weight, reduction, generator, op_checks=False) -> Pairs:
+            next_weight, reduction, generator, meet_token=None, op_checks=False) -> Pairs:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
@@ -244,8 +255,17 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         _fail(ValueError, f"tokens must be an integer tensor, got {tokens.dtype}")
     if tokens.device != f.device:
         _fail(ValueError, f"tokens must be on the device of f ({f.device}), got {tokens.device}")
-    if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 2:
-        _fail(ValueError, f"min_gap must be an int >= 2 (a pair needs a token between prefix and suffix), got {min_gap!r}")
+    if meet_token is not None and (not isinstance(meet_token, int) or isinstance(meet_token, bool)):
+        _fail(ValueError, f"meet_token must be None or an int token id, got {type(meet_token).__name__} {meet_token!r}")
+    if meet_token is not None and not (0 <= meet_token and (vocab_size is None or meet_token < vocab_size)):
+        _fail(ValueError, f"meet_token must lie in [0, vocab_size={vocab_size}), got {meet_token}")
+    if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 1:
+        _fail(ValueError, f"min_gap must be an int >= 2 (or 1 with meet_token, docs/contract.md §8), got {min_gap!r}")
+    if min_gap == 1 and meet_token is None:
+        _fail(ValueError, "min_gap=1 needs meet_token: a pair with j - i = 1 has no token between prefix and suffix "
+                          "(its Next label tokens[r, i+1] is the suffix's first token, its Prev label the prefix's "
+                          "last), so both its labels are meet_token (docs/contract.md §8; the official "
+                          "bst_single_gap_prediction_mode 'eos' is meet_token=<the EOS id>)")
     if max_gap is not None and (not isinstance(max_gap, int) or isinstance(max_gap, bool) or max_gap < min_gap):
         _fail(ValueError, f"max_gap must be None or an int >= min_gap ({min_gap}), got {max_gap!r}")
     if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) or not 0.0 <= next_weight <= 1.0:
@@ -287,10 +307,15 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if any_bad[3]:
             _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     prefix_start = prefix_start.clamp(max=L)
-    common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax)
+    # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it
+    common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax,
+                  meet_token=meet_token if min_gap == 1 else None)
 
     if pairs is None:
-        scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)
+        if reduction == "row_mean":  # docs/contract.md §9: 1 / (|P_r| B); a row with no pair weighs nothing
+            scale = (counts > 0) / (counts.clamp(min=1).double() * B)
+        else:
+            scale = 1.0 / total.double() if reduction == "mean" else torch.ones((), dtype=torch.float64, device=dev)
         return Pairs(scale=scale, **common)
 
     if isinstance(pairs, (tuple, list)):
@@ -319,8 +344,12 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
                               f"docs/contract.md §2 needs 0 <= row < {B}, prefix_start <= i and "
                               f"i + min_gap <= j <= min(i + max_gap, lengths[row] - 1)")
-        w = 1.0 / row.numel() if reduction == "mean" else 1.0
-        weight = torch.full((row.numel(),), w, dtype=torch.float64, device=dev)
+        if reduction == "row_mean":  # docs/contract.md §9: 1 / (n_r B), n_r the pairs listed for row r
+            listed = torch.bincount(rc, minlength=B)
+            weight = 1.0 / (listed[rc].double() * B)
+        else:
+            w = 1.0 / row.numel() if reduction == "mean" else 1.0
+            weight = torch.full((row.numel(),), w, dtype=torch.float64, device=dev)
         return Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), row=row, i=i, j=j, weight=weight, **common)
 
     if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
@@ -335,8 +364,31 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
     row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
-    # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs.
-    weight = counts[row].double() / k[row].double()
-    if reduction == "mean":
-        weight = weight / total.double()
+    # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs of
+    # weight w_r: 1/|P| (mean), 1 (sum) or 1 / (|P_r| B) (row_mean, §9), which leaves 1 / (k_r B).
+    if reduction == "row_mean":
+        weight = 1.0 / (k[row].double() * B)
+    else:
+        weight = counts[row].double() / k[row].double()
+        if reduction == "mean":
+            weight = weight / total.double()
     return Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), row=row, i=i, j=j, weight=weight, **common)
+
+
+def full_lengths(tokens, lengths=None, vocab_size=None):
+    """The (B,) int64 lengths of a (B, L) batch of ids: `lengths` (an int or a (B,) integer tensor),
+    or every row's full L when it is None. Checks the batch first, naming the argument: its shape
+    and dtype always; on the CPU also lengths in [0, L] and, given vocab_size, the ids at valid
+    positions. On a GPU those values are left to the loss's own check, which costs the step's one
+    host sync (reverse_valid clamps its index meanwhile)."""
+    if not torch.is_tensor(tokens) or tokens.dim() != 2:
+        raise ValueError(f"tokens must be a (B, L) tensor of ids, got "
+                         f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    B, L = tokens.shape
+    given = lengths is not None
+    lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and (given or vocab_size is not None):
+        check_rows(tokens, lengths, vocab_size)
+    return lengths

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_int
-from .model import full_lengths
+from ._pairs import full_lengths
 
 
 def _ids(x, name="ids") -> torch.Tensor:

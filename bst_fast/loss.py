@@ -48,10 +48,10 @@ def _check_head(head, f):
 
 def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, head: nn.Module, *,
                       lengths=None, prefix_start=0, min_gap: int = 2, max_gap: Optional[int] = None,
-                      pairs=None, next_weight: float = 0.5, reduction: str = "mean",
-                      generator: Optional[torch.Generator] = None, backend: str = "auto",
-                      deterministic: bool = False) -> torch.Tensor:
-    """The Belief State Transformer objective over prefix/suffix pairs (docs/contract.md §2-§5).
+                      meet_token: Optional[int] = None, pairs=None, next_weight: float = 0.5,
+                      reduction: str = "mean", generator: Optional[torch.Generator] = None,
+                      backend: str = "auto", deterministic: bool = False) -> torch.Tensor:
+    """The Belief State Transformer objective over prefix/suffix pairs (docs/contract.md §2-§5, §8, §9).
 
     Args:
         f: (B, L, m) forward-encoder states; f[r, i] has read tokens[r, :i+1].
@@ -60,11 +60,16 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         head: a TextHead, or (torch and reference backends) any module mapping (..., 2m) to (..., 2V).
         lengths: None, an int or (B,) valid positions per row (BOS and EOS included).
         prefix_start: an int or (B,): the first prefix position i trained on.
-        min_gap, max_gap: the pair's j - i lies in [min_gap, max_gap]; min_gap >= 2, max_gap None is no limit.
+        min_gap, max_gap: the pair's j - i lies in [min_gap, max_gap] (both inclusive: the official
+            code's exclusive bst_pair_maximum_gap G is max_gap = G - 1); min_gap >= 2, or 1 with
+            meet_token; max_gap None is no limit.
+        meet_token: None, or the token id in [0, V) that is both labels of a pair with j - i = 1
+            (docs/contract.md §8; the official single-gap 'eos' mode is the EOS id). Needed by min_gap=1.
         pairs: None (all pairs), a float fraction or an int count of pairs per row (unbiased subsample,
             docs/contract.md §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
-        reduction: "mean" (divide by |P|) or "sum".
+        reduction: "mean" (divide by |P|), "sum", or "row_mean" (each row's mean over its pairs, then
+            the mean over the B rows, a row with no pair adding 0: docs/contract.md §9).
         generator: the torch.Generator the subsample is drawn from.
         backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
             "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
@@ -81,7 +86,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1], f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, op_checks=chosen.fused)
+                       generator=generator, meet_token=meet_token, op_checks=chosen.fused)
     tokens = tokens.long()
     if not chosen.fused:
         return chosen.run(f, b, tokens, head, p, next_weight, V, None)
@@ -99,8 +104,8 @@ class BeliefStateLoss(nn.Module):
 
     def __init__(self, head: nn.Module, **options):
         super().__init__()
-        bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "pairs", "next_weight",
-                              "reduction", "generator", "backend", "deterministic"}
+        bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "meet_token", "pairs",
+                              "next_weight", "reduction", "generator", "backend", "deterministic"}
         if bad:
             raise ValueError(f"BeliefStateLoss got unknown options {sorted(bad)}")
         self.head = head

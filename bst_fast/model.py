@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int
-from ._pairs import _as_row_vector, check_rows
+from ._pairs import full_lengths
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -133,25 +134,6 @@ class Encoder(nn.Module):
         return self.ln(x)
 
 
-def full_lengths(tokens, lengths=None, vocab_size=None):
-    """The (B,) int64 lengths of a (B, L) batch of ids: `lengths` (an int or a (B,) integer tensor),
-    or every row's full L when it is None. Checks the batch first, naming the argument: its shape
-    and dtype always; on the CPU also lengths in [0, L] and, given vocab_size, the ids at valid
-    positions. On a GPU those values are left to the loss's own check, which costs the step's one
-    host sync (reverse_valid clamps its index meanwhile)."""
-    if not torch.is_tensor(tokens) or tokens.dim() != 2:
-        raise ValueError(f"tokens must be a (B, L) tensor of ids, got "
-                         f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
-    B, L = tokens.shape
-    given = lengths is not None
-    lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)
-    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and (given or vocab_size is not None):
-        check_rows(tokens, lengths, vocab_size)
-    return lengths
-
-
 def reverse_valid(tokens, lengths):
     """Each row's valid part reversed, padding kept at the end: out[r, t] = tokens[r, len_r - 1 - t]."""
     L = tokens.shape[1]
@@ -248,12 +230,15 @@ class BeliefStateTransformer(nn.Module):
         if gamma > 0 and self.gpt is None:
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
-        f = self.prefix_states(tokens)
-        b = self._suffix_states(tokens, lengths)
+        # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
+        with record_function("encoders"):
+            f = self.prefix_states(tokens)
+            b = self._suffix_states(tokens, lengths)
         red = "mean" if pair_total is None else "sum"
-        belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
-                                   pairs=pairs, next_weight=next_weight, reduction=red,
-                                   generator=generator, backend=backend)
+        with record_function("pair_loss"):
+            belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
+                                       pairs=pairs, next_weight=next_weight, reduction=red,
+                                       generator=generator, backend=backend)
         if pair_total is not None:
             belief = belief / pair_total
         out = {"belief": belief, "gpt": None, "total": belief}
@@ -261,13 +246,6 @@ class BeliefStateTransformer(nn.Module):
             out["gpt"] = next_token_loss(self.gpt, f, tokens, lengths, prefix_start, token_total)
             out["total"] = gamma * out["gpt"] + (1 - gamma) * belief
         return out
-
-    @torch.no_grad()
-    def generate(self, prefix, n_new: int, eos_id: int):
-        """Greedy decoding with the empty suffix: (B, P) prompt -> (B, n_new) tokens."""
-        from .decode import sample
-
-        return sample(self, prefix, n_new, eos_id, temperature=0)
 
 
 class ForwardOnly(nn.Module):
@@ -284,13 +262,6 @@ class ForwardOnly(nn.Module):
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         loss = next_token_loss(self.lm_head, self.forward_encoder(tokens), tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
-
-    @torch.no_grad()
-    def generate(self, prefix, n_new: int, eos_id: int = 0):
-        """Greedy decoding: (B, P) prompt -> (B, n_new) tokens."""
-        from .decode import sample
-
-        return sample(self, prefix, n_new, temperature=0)
 
 
 class Teacherless(ForwardOnly):

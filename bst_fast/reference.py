@@ -1,4 +1,4 @@
-"""The executable spec: the belief-state loss with every pair materialised, plain autograd (docs/contract.md §2-§5)."""
+"""The executable spec: the belief-state loss with every pair materialised, plain autograd (docs/contract.md §2-§5, §8, §9)."""
 from __future__ import annotations
 
 import torch
@@ -12,14 +12,15 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int)
     if p.row is None:
         L = f.shape[1]
         row, i, j = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).nonzero(as_tuple=True)
-        weight = p.scale.expand(row.shape)
+        # one weight for every pair, or each row's own (row_mean)
+        weight = p.scale.expand(row.shape) if p.scale.dim() == 0 else p.scale[row]
     else:
         row, i, j, weight = p.row, p.i, p.j, p.weight
     x = torch.cat([f[row, i], b[row, j]], dim=-1)  # (pairs, 2m)
     logits = head(x)  # (pairs, 2V)
     acc = torch.float64 if f.dtype == torch.float64 else torch.float32
     logits = logits.to(acc)
-    y_next, y_prev = labels(tokens, row, i, j)
+    y_next, y_prev = labels(tokens, row, i, j, p.meet_token)
     ce_next = F.cross_entropy(logits[:, :vocab_size], y_next, reduction="none")
     ce_prev = F.cross_entropy(logits[:, vocab_size:], y_prev, reduction="none")
     per_pair = next_weight * ce_next + (1.0 - next_weight) * ce_prev

@@ -14,7 +14,7 @@ namespace bst_fast {
 // The pair set of one row (docs/contract.md §2), prefix by prefix: calls fn(i, j0, n) for every prefix i with
 // pairs, whose suffixes are j = j0 .. j0 + n - 1. Gaps beyond the row's length change nothing, so
 // they and the start are clamped first, and the last suffix is min(gmax, len - 1 - i) past i, not
-// i + gmax: no sum below can overflow for any len, start >= 0 and 2 <= min_gap <= max_gap.
+// i + gmax: no sum below can overflow for any len, start >= 0 and 1 <= min_gap <= max_gap.
 template <typename F>
 void for_each_prefix(int64_t len, int64_t start, int64_t min_gap, int64_t max_gap, F&& fn) {
   const int64_t gmin = std::min(min_gap, std::max<int64_t>(len, 2));
@@ -36,14 +36,17 @@ using PairLossResult =
 //   weights:   (h2, h1), ..., (2V, h_last) float32; biases: (h2), ..., (2V).
 //   tokens:    (B, L) int64; lengths, prefix_start: (B,) int64.
 //   row, i, j: a pair list (n,) int64, or all absent for all pairs of docs/contract.md §2.
-//   weight:    () scale of every pair (all pairs) or (n,) per-pair weights.
+//   weight:    () scale of every pair or (B,) scale of each row's pairs (all pairs; (B,) is
+//              row_mean, docs/contract.md §9), or (n,) per-pair weights (a pair list).
+//   meet_token: both labels of a pair with j - i = 1 (docs/contract.md §8); min_gap = 1 needs it.
 PairLossResult pair_loss(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weights,
                          at::TensorList biases, const at::Tensor& tokens,
                          const at::Tensor& lengths, const at::Tensor& prefix_start,
                          int64_t min_gap, int64_t max_gap, const std::optional<at::Tensor>& row,
                          const std::optional<at::Tensor>& i, const std::optional<at::Tensor>& j,
                          const at::Tensor& weight, double next_weight,
-                         const std::string& activation, bool need_grad);
+                         const std::string& activation, bool need_grad,
+                         std::optional<int64_t> meet_token = std::nullopt);
 
 // k[r] pairs of row r drawn uniformly without replacement from P_r (docs/contract.md §5), sorted by (i, j);
 // one random stream per row, derived from seed, so the draw does not depend on thread count.

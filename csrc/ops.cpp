@@ -7,8 +7,8 @@ TORCH_LIBRARY(bst_fast, m) {
   m.def(
       "pair_loss(Tensor A, Tensor Bm, Tensor[] weights, Tensor[] biases, Tensor tokens, "
       "Tensor lengths, Tensor prefix_start, int min_gap, int max_gap, Tensor? row, Tensor? i, "
-      "Tensor? j, Tensor weight, float next_weight, str activation, bool need_grad) "
-      "-> (Tensor, Tensor, Tensor, Tensor[], Tensor[])");
+      "Tensor? j, Tensor weight, float next_weight, str activation, bool need_grad, "
+      "int? meet_token=None) -> (Tensor, Tensor, Tensor, Tensor[], Tensor[])");
   m.def(
       "sample_pairs(Tensor lengths, Tensor prefix_start, int min_gap, int max_gap, Tensor k, "
       "int seed) -> (Tensor, Tensor, Tensor)");
@@ -23,10 +23,11 @@ bst_fast::PairLossResult pair_loss_cpu(const at::Tensor& A, const at::Tensor& Bm
                                        const std::optional<at::Tensor>& i,
                                        const std::optional<at::Tensor>& j,
                                        const at::Tensor& weight, double next_weight,
-                                       c10::string_view activation, bool need_grad) {
+                                       c10::string_view activation, bool need_grad,
+                                       std::optional<int64_t> meet_token) {
   return bst_fast::pair_loss(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap,
                              max_gap, row, i, j, weight, next_weight, std::string(activation),
-                             need_grad);
+                             need_grad, meet_token);
 }
 }  // namespace
 

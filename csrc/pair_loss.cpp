@@ -5,6 +5,7 @@
 //   h_k = act(z_k),  z_{k+1} = h_k W_k^T + c_k      hidden layers
 //   x = h_last W_n^T + c_n                           (TP, 2V)   Next logits | Prev logits
 //   loss += sum_p w_p (lam CE(x_next, y_next) + (1 - lam) CE(x_prev, y_prev))
+//     (y_next = tokens[r, i+1], y_prev = tokens[r, j-1]; both meet_token when j - i = 1, §8)
 // and, in the same pass, since the loss is a plain weighted sum of per-pair terms,
 //   g = dloss/dx = (softmax(x) - onehot(y)) * w_p * lam_half
 //   dW_n += g^T h_last, dc_n += sum_p g, dh_last = g W_n, back through the hidden layers to dz1,
@@ -177,7 +178,7 @@ void check_inputs(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weig
                 name, " must be int64 CPU (", B, ",), got ", t->sizes(), " ", t->scalar_type(),
                 " on ", t->device());
   }
-  TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
+  TORCH_CHECK(min_gap >= 1, "min_gap must be >= 2 (or 1 with meet_token), got ", min_gap);
   TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
   auto len = lengths.contiguous();
   auto ps = prefix_start.contiguous();
@@ -197,7 +198,8 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
                          const std::optional<at::Tensor>& row_in,
                          const std::optional<at::Tensor>& i_in,
                          const std::optional<at::Tensor>& j_in, const at::Tensor& weight_in,
-                         double next_weight, const std::string& activation, bool need_grad) {
+                         double next_weight, const std::string& activation, bool need_grad,
+                         std::optional<int64_t> meet_token) {
   // The op's autograd rule lives in Python; below it, the ATen calls must not record a graph.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_inputs(A_in, Bm_in, weights_in, biases_in, tokens_in, lengths_in, prefix_start_in,
@@ -218,6 +220,15 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   const int64_t two_v = W.back().size(0), V = two_v / 2;
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* tok = tokens.data_ptr<int64_t>();
+  // docs/contract.md §8: a pair with j - i = 1 has no token between prefix and suffix to predict.
+  TORCH_CHECK(min_gap >= 2 || meet_token.has_value(),
+              "min_gap must be >= 2 unless meet_token is given (both labels of a pair with j - i = 1), got ",
+              min_gap);
+  TORCH_CHECK(!meet_token.has_value() || (*meet_token >= 0 && *meet_token < V),
+              "meet_token must lie in [0, vocab_size=", V, "), got ", meet_token.value_or(0));
+  // Only a pair set with gap-1 pairs reads it: with min_gap >= 2 the labels are gathered as always.
+  const bool meets = meet_token.has_value() && min_gap == 1;
+  const int64_t meet = meet_token.value_or(0);
 
   // The pairs, checked here as well as in Python so that no call through torch.ops can read
   // out of bounds.
@@ -253,7 +264,8 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
                   ") is not a valid pair of docs/contract.md §2");
     }
   } else {
-    TORCH_CHECK(weight.dim() == 0, "weight must be a 0-dim scale for all pairs, got ",
+    TORCH_CHECK(weight.dim() == 0 || (weight.dim() == 1 && weight.size(0) == B),
+                "weight must be a 0-dim scale for all pairs or one scale per row (", B, ",), got ",
                 weight.sizes());
     walk = all_pairs(len, prefix_start.data_ptr<int64_t>(), B, min_gap, max_gap);
   }
@@ -277,7 +289,8 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   }
 
   const double* wts = weight.data_ptr<double>();
-  const double scale = listed ? 0.0 : wts[0];
+  const bool per_row = !listed && weight.dim() == 1;  // all pairs, each row its own scale (row_mean)
+  const double scale = listed || per_row ? 0.0 : wts[0];
   const float lam[2] = {static_cast<float>(next_weight), static_cast<float>(1.0 - next_weight)};
   const int64_t TP = tile_pairs(two_v);
   const int64_t n_tiles = (walk.total + TP - 1) / TP;
@@ -322,7 +335,7 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       float* z1 = z[0].data_ptr<float>();
       walk.walk(begin, end, [&](int64_t p, int64_t r, int64_t i, int64_t j) {
         pr[p] = r, pi_[p] = i, pj_[p] = j;
-        pw[p] = static_cast<float>(listed ? wts[begin + p] : scale);
+        pw[p] = static_cast<float>(listed ? wts[begin + p] : per_row ? wts[r] : scale);
         const float* a = a_ptr + (r * L + i) * H1;
         const float* bb = b_ptr + (r * L + j) * H1;
         float* out = z1 + p * H1;
@@ -350,8 +363,9 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
       std::vector<float> ey(2 * n);
       std::vector<int64_t> label(2 * n);
       for (const auto p : c10::irange(n)) {
-        label[2 * p] = (p * 2) * V + tok[pr[p] * L + pi_[p] + 1];
-        label[2 * p + 1] = (p * 2 + 1) * V + tok[pr[p] * L + pj_[p] - 1];
+        const bool meet_pair = meets && pj_[p] - pi_[p] == 1;
+        label[2 * p] = (p * 2) * V + (meet_pair ? meet : tok[pr[p] * L + pi_[p] + 1]);
+        label[2 * p + 1] = (p * 2 + 1) * V + (meet_pair ? meet : tok[pr[p] * L + pj_[p] - 1]);
         for (const int h : {0, 1}) ey[2 * p + h] = e[label[2 * p + h]], e[label[2 * p + h]] = 0.0f;
       }
       const auto ry_t = e3.sum(-1, /*keepdim=*/true);

@@ -45,7 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
                 name, " must be int64 CPU (", B, ",), got ", t->sizes(), " ", t->scalar_type(), " on ",
                 t->device());
   }
-  TORCH_CHECK(min_gap >= 2, "min_gap must be >= 2, got ", min_gap);
+  // min_gap = 1 lists the pairs with j - i = 1 too (docs/contract.md §8: their labels are the loss's business)
+  TORCH_CHECK(min_gap >= 1, "min_gap must be >= 1, got ", min_gap);
   TORCH_CHECK(max_gap >= min_gap, "max_gap must be >= min_gap (", min_gap, "), got ", max_gap);
   const auto lengths = lengths_in.contiguous(), prefix_start = prefix_start_in.contiguous(), k = k_in.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import bst_fast
-from bst_fast.trainer import TrainConfig, apply_overrides, resolve_config
+from bst_fast.config import TrainConfig, apply_overrides, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -72,9 +72,9 @@ def test_exports():
     namespace = {}
     exec("from bst_fast import *", namespace)
     assert EXPORTS <= set(namespace)
-    from bst_fast import decode, model, trainer
+    from bst_fast import config, decode, model, trainer
 
-    assert bst_fast.TrainConfig is trainer.TrainConfig and bst_fast.ModelConfig is model.ModelConfig
+    assert bst_fast.TrainConfig is config.TrainConfig and bst_fast.ModelConfig is model.ModelConfig
     assert bst_fast.BeliefStateTransformer is model.BeliefStateTransformer
     assert bst_fast.plan is decode.plan and bst_fast.sample is decode.sample
     assert bst_fast.beam_search is decode.beam_search

@@ -211,7 +211,7 @@ def test_no_grad_asks_the_cpp_engine_for_no_gradient(monkeypatch):
 
     class Torch:  # cpp_backend's `torch`, its op spied on (the op itself cannot be replaced)
         ops = types.SimpleNamespace(bst_fast=types.SimpleNamespace(
-            pair_loss=lambda *a: asked.append(a[-1]) or torch.ops.bst_fast.pair_loss(*a)))
+            pair_loss=lambda *a, **kw: asked.append(a[-1]) or torch.ops.bst_fast.pair_loss(*a, **kw)))
 
         def __getattr__(self, name):
             return getattr(torch, name)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bst_fast import decode
 from bst_fast.__main__ import main
 from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig
-from bst_fast.trainer import TrainConfig, train
+from bst_fast import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -123,9 +123,6 @@ def test_cached_decoding_equals_full_reencoding(kind):
             assert int(full.argmax()) == t
             seq.append(t)
             cached = search.step(torch.tensor([t]))[0]
-    if kind != "forward":  # model.generate is greedy with the empty suffix
-        assert model.generate(torch.tensor([prompt]), 10, EOS)[0].tolist() == \
-            decode.sample(model, torch.tensor([prompt]), 10, EOS, temperature=0)[0].tolist()
 
 
 @pytest.mark.parametrize("call, name", [
@@ -353,7 +350,7 @@ def test_each_method_trains(tmp_path, changes):
 
 
 def test_method_data_transforms():
-    from bst_fast.trainer import _StarTask
+    from bst_fast.tasks import StarTask as _StarTask
 
     cfg = tiny("/tmp/unused", method="augment", augment_prob=1.0, star_path_len=4, star_nodes=12)
     task = _StarTask(cfg)

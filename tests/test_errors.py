@@ -349,7 +349,8 @@ SAMPLE_BAD = {
     "k_negative": (torch.tensor([9, 7]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, -1])),
     "lengths_negative": (torch.tensor([9, -7]), torch.tensor([0, 0]), 2, 5, torch.tensor([1, 0])),
     "prefix_start_negative": (torch.tensor([9, 7]), torch.tensor([0, -3]), 2, 5, torch.tensor([1, 0])),
-    "min_gap_1": (torch.tensor([9, 7]), torch.tensor([0, 0]), 1, 5, torch.tensor([1, 1])),
+    # min_gap = 1 lists the gap-1 pairs too (docs/contract.md §8); below 1 there is no pair set
+    "min_gap_0": (torch.tensor([9, 7]), torch.tensor([0, 0]), 0, 5, torch.tensor([1, 1])),
     "max_gap_below_min_gap": (torch.tensor([9, 7]), torch.tensor([0, 0]), 4, 3, torch.tensor([1, 1])),
     # refused before any prefix of the row is listed (that took 6.5 GB for k = 0)
     "lengths_huge": (torch.tensor([9, 2**62]), torch.tensor([0, 0]), 2, 2**62, torch.tensor([1, 0])),
@@ -364,7 +365,7 @@ SAMPLE_MATCH = {
     "k_negative": (ValueError, r"k\[1\] must lie in \[0, "),
     "lengths_negative": (ValueError, r"lengths\[1\] must lie in \[0, 2\^31\], got -7"),
     "prefix_start_negative": (ValueError, r"prefix_start\[1\] must be >= 0, got -3"),
-    "min_gap_1": (RuntimeError, "min_gap must be >= 2"),
+    "min_gap_0": (RuntimeError, "min_gap must be >= 1"),
     "max_gap_below_min_gap": (RuntimeError, "max_gap must be >= min_gap"),
     "lengths_huge": (ValueError, r"lengths\[1\] must lie in \[0, 2\^31\]"),
 }

@@ -465,7 +465,7 @@ def test_model_head_type_and_tying(tmp_path):
 def test_tied_head_checkpoint_round_trip(tmp_path):
     """A run with a tied swiglu head saves (safetensors refuses shared storage: the trainer copies
     it) and loads back tied, with the trained weights."""
-    from bst_fast.trainer import TrainConfig, load_model, train
+    from bst_fast import TrainConfig, load_model, train
 
     d = TrainConfig.load("configs/tiny_test.yaml").to_dict()
     d["model"].update(head_type="swiglu", head_tie_embedding=True)
@@ -475,15 +475,15 @@ def test_tied_head_checkpoint_round_trip(tmp_path):
     assert model.head.lm_head.weight is model.forward_encoder.tok.weight
     from safetensors.torch import load_file
 
-    from bst_fast.trainer import latest_checkpoint
+    from bst_fast.checkpoint import latest_checkpoint
     saved = load_file(str(latest_checkpoint(tmp_path) / "model.safetensors"))
     state = model.state_dict()
     assert saved and all(torch.equal(state[k], v) for k, v in saved.items())  # the trained weights, every one
 
 
 def test_cli_sets_the_head_type():
-    from bst_fast.__main__ import _apply_sets
-    from bst_fast.trainer import TrainConfig
+    from bst_fast.config import apply_sets as _apply_sets
+    from bst_fast import TrainConfig
 
     cfg = _apply_sets(TrainConfig(), ["model.head_type=swiglu", "model.head_tie_embedding=true"])
     assert cfg.model.head_type == "swiglu" and cfg.model.head_tie_embedding is True
@@ -508,8 +508,8 @@ def test_decoding_with_the_swiglu_head():
 def test_star_graph_smoke_with_swiglu_head(tmp_path):
     """A short run of the main star config with the swiglu head (the full run:
     bench/results/star_cpu_swiglu.md)."""
-    from bst_fast.__main__ import _apply_sets
-    from bst_fast.trainer import TrainConfig, train
+    from bst_fast.config import apply_sets as _apply_sets
+    from bst_fast import TrainConfig, train
 
     cfg = _apply_sets(TrainConfig.load("configs/star_cpu.yaml"), ["model.head_type=swiglu"])
     assert cfg.model.head_type == "swiglu"
@@ -521,7 +521,7 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
     rows = [r.split(",") for r in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     losses = [float(v) for _, key, v in rows if key == "loss"]
     assert losses[-1] < losses[0] - 0.3, losses  # it learns
-    from bst_fast.trainer import load_model
+    from bst_fast import load_model
     assert isinstance(load_model(tmp_path)[0].head, ResidualSwiGLUHead)  # and it was this head that did
 
 

@@ -349,7 +349,7 @@ try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps"}  # the rest are pointers or floats
+INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
@@ -362,7 +362,8 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
                         (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
                         (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
-                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False), cfg["ce_warps"], "*fp32"))
+                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=False), cfg["ce_warps"], "*fp32"),
+                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"))
         else:
             g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)

@@ -1,17 +1,11 @@
-"""The "cpp" backend: the C++ ops bst_fast::pair_loss / sample_pairs and their fake and autograd rules."""
+"""The "cpp" backend: the C++ op bst_fast::pair_loss and its fake and autograd rules."""
 from __future__ import annotations
 
 import torch
 
-from .. import _C  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
+from .. import _ext  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
 from .._pairs import Pairs
 from . import pair_loss_op
-
-
-@torch.library.register_fake("bst_fast::sample_pairs")
-def _sample_pairs_fake(lengths, prefix_start, min_gap, max_gap, k, seed):
-    n = torch.library.get_ctx().new_dynamic_size()
-    return tuple(lengths.new_empty(n) for _ in range(3))
 
 
 pair_loss_op.register("bst_fast::pair_loss", "cpp")
@@ -27,5 +21,6 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):
     weight = p.scale if p.row is None else p.weight
     loss = torch.ops.bst_fast.pair_loss(A, Bm, weights, biases, tokens, p.lengths, p.prefix_start,
                                         p.min_gap, p.max_gap, p.row, p.i, p.j, weight,
-                                        float(next_weight), head.activation, need_grad)[0]
+                                        float(next_weight), head.activation, need_grad,
+                                        meet_token=p.meet_token)[0]
     return loss

@@ -2,13 +2,14 @@
 CPU, bst_fast::triton_pair_loss in Python for the GPU), which share one schema:
 
     (A, Bm, weights[], biases[], tokens, lengths, prefix_start, min_gap, max_gap, row?, i?, j?,
-     weight, next_weight, activation, need_grad) -> (loss, dA, dB, dW[], dc[])
+     weight, next_weight, activation, need_grad, meet_token?=None) -> (loss, dA, dB, dW[], dc[])
 
 A, Bm: (B, L, h1) float32, the split first layer (docs/contract.md §3); weights/biases: the layers
 after it (the last one (2V, hL)); row/i/j: None for all pairs (then weight is the 0-dim scale of
-every pair) or an explicit list with one weight per pair. The op returns the loss and, with
-need_grad, every gradient in float32 (empty tensors without); autograd only scales them by
-grad_output, since the loss is the graph's last node.
+every pair, or a (B,) scale per row: row_mean, §9) or an explicit list with one weight per pair;
+meet_token: both labels of the pairs with j - i = 1 (§8), needed by min_gap = 1. The op returns
+the loss and, with need_grad, every gradient in float32 (empty tensors without); autograd only
+scales them by grad_output, since the loss is the graph's last node.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
-         row, i, j, weight, next_weight, activation, need_grad):
+         row, i, j, weight, next_weight, activation, need_grad, meet_token=None):
     # Also the Meta kernel: one meta argument among real ones lands here, and the outputs, made on
     # A's device, would be uninitialised memory returned as a loss. The ops take one device.
     given = [A, Bm, *weights, *biases, tokens, lengths, prefix_start, weight] + [t for t in (row, i, j) if t is not None]
@@ -55,8 +56,10 @@ def _backward(backend, ctx, grad_loss, *_):
     if dA.numel() == 0:
         raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
     n = ctx.n_layers
+    # one None per argument after the tensor lists: the dispatcher drops a trailing argument left at
+    # its default (meet_token=None), and needs_input_grad has the arguments it kept
     return (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]],
-            [grad_loss * c for c in rest[n:]]) + (None,) * 12
+            [grad_loss * c for c in rest[n:]]) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 def register(qualname: str, backend: str):

@@ -224,6 +224,8 @@ class _TorchOps:
         s0, n = chunk[:2]
         rows = self.rows(chunk)
         y = torch.stack([self.tok[rows[:, 0] + 1], self.tok[rows[:, 1] - self.BL - 1]], 1)  # Next, Prev labels
+        if self.pl.meet_token is not None:  # a pair with j - i = 1 takes meet_token as both labels (contract §8)
+            y = y.masked_fill((rows[:, 1] - self.BL - rows[:, 0] == 1)[:, None], self.pl.meet_token)
         wl = self.lam if self.pl.w_stride == 0 else self.lam * self.pl.w[s0 : s0 + n].reshape(-1, 1, 1)
         return _cross_entropy_(z.view(n, 2, -1), y, wl, need, gscale)
 

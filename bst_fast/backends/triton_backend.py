@@ -106,8 +106,8 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
                      tokens: torch.Tensor, lengths: torch.Tensor, prefix_start: torch.Tensor, min_gap: int,
                      max_gap: int, row: Optional[torch.Tensor], i: Optional[torch.Tensor],
                      j: Optional[torch.Tensor], weight: torch.Tensor, next_weight: float, activation: str,
-                     need_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor],
-                                                List[torch.Tensor]]:
+                     need_grad: bool, meet_token: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                                List[torch.Tensor], List[torch.Tensor]]:
     """The GPU pair-loss op, with the schema of bst_fast::pair_loss (see pair_loss_op). The layers'
     dtype (weights and biases share one) is the matrix operands' compute dtype."""
     if activation not in ACT:
@@ -126,19 +126,19 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
         if w.dim() != 2 or tuple(w.shape) != (widths[k + 1], widths[k]) or tuple(c.shape) != (widths[k + 1],):
             raise ValueError(f"weights[{k}] must be ({widths[k + 1]}, {widths[k]}) and biases[{k}] "
                              f"({widths[k + 1]},), got {tuple(w.shape)} and {tuple(c.shape)}")
-    expected = () if row is None else (row.numel(),)
-    if tuple(weight.shape) != expected:
-        raise ValueError(f"weight must have shape {expected} (a 0-dim scale for all pairs, else one per "
-                         f"listed pair), got {tuple(weight.shape)}")
+    expected = [(), (Bn,)] if row is None else [(row.numel(),)]
+    if tuple(weight.shape) not in expected:
+        raise ValueError(f"weight must have shape {' or '.join(map(str, expected))} (for all pairs a 0-dim scale "
+                         f"or one per row, else one per listed pair), got {tuple(weight.shape)}")
     V = weights[-1].shape[0] // 2
     # The values are checked here, inside the op, so that a compiled graph (which skips the checks
     # of belief_state_loss) still rejects bad input.
     _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                    max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
-                   reduction="sum", generator=None)
+                   reduction="sum", generator=None, meet_token=meet_token)
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
-              weight=None if row is None else weight)
+              weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
     cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
     pl = pair_list(p, Bn, L, cfg["chunk"])
     with on_device(A.device):
@@ -167,4 +167,5 @@ def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=No
     weight = p.scale if p.row is None else p.weight
     return torch.ops.bst_fast.triton_pair_loss(A, Bm, weights, biases, tokens, p.lengths, p.prefix_start,
                                                p.min_gap, p.max_gap, p.row, p.i, p.j, weight,
-                                               float(next_weight), head.activation, need_grad)[0]
+                                               float(next_weight), head.activation, need_grad,
+                                               meet_token=p.meet_token)[0]

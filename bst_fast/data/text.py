@@ -16,18 +16,32 @@ both trained on and held out, in disjoint rows.
 
 Memory: the corpus is read a file at a time and tokenised a megabyte of text at a time into one flat int32 array
 (4 bytes a token); rows are (start, length) views of it, wrapped in BOS/EOS when batched.
+
+Long runs: the byte-level pre-tokeniser keeps a word, a number or a run of punctuation whole (the
+GPT-2 pattern), and HF tokenizers' BPE trainer takes time quadratic in the longest such pre-token (a
+2 MB text without whitespace: minutes). A tokenizer from train_bpe therefore cuts every pre-token
+longer than MAX_PRETOKEN bytes into consecutive pieces of MAX_PRETOKEN bytes (the last shorter).
+The cut is part of the tokenizer (saved in its tokenizer.json), so training, TextData and any later
+encode agree; text whose pre-tokens are all shorter (ordinary prose) is tokenised exactly as without
+it. A tokenizer.json written before the cut existed is loaded as it is (its ids stay what they were).
+
+Progress: reading and tokenising more than PROGRESS_BYTES of files shows a tqdm bar on stderr
+(progress=None, the default; True or False forces it).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .._checks import check_int
+from .._checks import check_int, short
 from .star import _Batches, _epoch_indices
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 in a tokenizer from train_bpe
@@ -35,6 +49,28 @@ _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 # Text per encode_batch call: HF tokenizers' Encoding objects and the Python id lists take about
 # 100 bytes a token, so the corpus is encoded about a megabyte of text (~250k tokens) at a time.
 _ENCODE_CHARS = 1 << 20
+# The longest pre-token (in bytes) of a tokenizer from train_bpe; longer ones are cut (module
+# docstring). BPE training costs about MAX_PRETOKEN x the corpus's length for a text without
+# whitespace; 256 bytes keeps any English word, number or URL component whole, and about 85
+# characters of CJK text (3 bytes each) without a space or punctuation.
+MAX_PRETOKEN = 256
+# Files larger than this in all (bytes) show a progress bar when read and tokenised.
+PROGRESS_BYTES = 8 << 20
+# Characters of a user's value quoted in an error message, at most.
+_SHOWN = 200
+
+
+def _shown(value, text: bool = False) -> str:
+    """short(value) (a bounded repr), or with text=True str(value) (paths, names, messages), cut to
+    _SHOWN characters: an error message never quotes a megabyte of the user's input."""
+    try:
+        if not text:
+            s = short(value, _SHOWN)
+        else:
+            s = value[:_SHOWN + 1] if isinstance(value, str) else str(value)
+    except Exception:  # e.g. an int too long to print (sys.set_int_max_str_digits)
+        s = f"<{type(value).__name__}>"
+    return s if len(s) <= _SHOWN else s[:_SHOWN - 3] + "..."
 
 
 def _text_files(paths) -> list[Path]:
@@ -42,58 +78,103 @@ def _text_files(paths) -> list[Path]:
         paths = [paths]
     files = []
     for p in map(Path, paths):
-        if p.is_dir():
+        # os.path's tests, not Path's: they answer False (not an OSError quoting it) for a path too
+        # long for the system
+        if os.path.isdir(p):
             found = sorted(q for q in p.rglob("*") if q.suffix.lower() == ".txt" and q.is_file()
                            and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
-                raise FileNotFoundError(f"no *.txt files under {p} (hidden files and folders are skipped)")
+                raise FileNotFoundError(f"no *.txt files under {_shown(p, True)} (hidden files and folders are skipped)")
             files += found
-        elif p.is_file():
+        elif os.path.isfile(p):
             files.append(p)
         else:
-            raise FileNotFoundError(f"no such file or folder: {p}")
+            raise FileNotFoundError(f"no such file or folder: {_shown(p, True)}")
     return files
 
 
 def iter_documents(paths):
     """The documents of a file, a folder or a list of them, in sorted file order, one file read at
     a time. The files are listed (and a missing one reported) before the first is read."""
-    files = _text_files(paths)
-
-    def documents():
-        for f in files:
-            raw = f.read_bytes()
-            try:
-                text = raw.decode("utf-8-sig")  # drops a byte-order mark, strict otherwise
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{f}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
-                                 f"convert it to UTF-8, or give token ids to TextData.from_ids") from None
-            for block in _BLANK_LINE.split(text):
-                block = block.strip()
-                if block:
-                    yield block
-    return documents()
+    return _documents(_text_files(paths))
 
 
-def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS):
+def _documents(files, bar=None):
+    """The documents of `files` (a list of files), one file read at a time; `bar` (a tqdm or None)
+    advances by the bytes read."""
+    for f in files:
+        raw = f.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")  # drops a byte-order mark, strict otherwise
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{_shown(f, True)}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
+                             f"convert it to UTF-8, or give token ids to TextData.from_ids") from None
+        done = 0
+        for block in _BLANK_LINE.split(text):
+            block = block.strip()
+            if block:
+                if bar is not None:
+                    n = len(block.encode("utf-8"))
+                    bar.update(n)
+                    done += n
+                yield block
+        if bar is not None:
+            bar.update(len(raw) - done)  # the blank lines and stripped whitespace between them
+
+
+def _progress_bar(files, progress, desc: str):
+    """A tqdm bar on stderr over the bytes of `files`, or None: progress=None shows one when they
+    hold more than PROGRESS_BYTES (tests and small runs stay quiet)."""
+    total = sum(f.stat().st_size for f in files)
+    if progress is None:
+        progress = total > PROGRESS_BYTES
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+
+
+def _pre_tokenizer():
+    """Byte-level pre-tokens (the GPT-2 pattern, no prefix space), each cut into pieces of at most
+    MAX_PRETOKEN bytes (module docstring). The cut works on the byte-level form (one character a
+    byte), so it may fall inside a UTF-8 character; the byte-level decoder joins the bytes again."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        pre_tokenizers.Split(Regex(rf"[\s\S]{{1,{MAX_PRETOKEN}}}"), behavior="isolated"),
+    ])
+
+
+def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, progress=None):
     """A byte-level BPE tokenizer trained on the documents of `paths` (the paper: vocab 1000).
 
     Byte level: any text encodes, with no unknown token. The specials get ids 0.. in order, so the
-    default gives PAD=0, BOS=1, EOS=2.
+    default gives PAD=0, BOS=1, EOS=2. Pre-tokens longer than MAX_PRETOKEN bytes are cut (module
+    docstring), which keeps training near-linear in the corpus's size. progress: a bar on stderr
+    (None: only for more than PROGRESS_BYTES of files).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     special_tokens = list(special_tokens)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + len(special_tokens):
-        raise ValueError(f"vocab_size must be >= {len(alphabet) + len(special_tokens)} "
-                         f"(256 bytes + {len(special_tokens)} specials), got {vocab_size}")
+    least = len(alphabet) + len(special_tokens)
+    if check_int("vocab_size", vocab_size, 1) < least:
+        raise ValueError(f"vocab_size must be >= {least} "
+                         f"(256 bytes + {len(special_tokens)} specials), got {_shown(vocab_size)}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(iter_documents(paths), trainer=trainer)
+    files = _text_files(paths)
+    bar = _progress_bar(files, progress, "training the BPE tokenizer")
+    try:
+        tok.train_from_iterator(_documents(files, bar), trainer=trainer)
+    finally:
+        if bar is not None:
+            bar.close()
     return _text_only(tok)
 
 
@@ -103,10 +184,42 @@ def save_tokenizer(tokenizer, path) -> None:
 
 
 def load_tokenizer(path):
-    """Read a tokenizer written by save_tokenizer (or any HF tokenizer.json)."""
+    """Read a tokenizer written by save_tokenizer (or any HF tokenizers JSON file holding the
+    <pad>, <bos> and <eos> tokens). A missing file is a FileNotFoundError; a folder, a file that is
+    not JSON, JSON that is not a tokenizer, or a tokenizer without those tokens a ValueError naming
+    the file."""
     from tokenizers import Tokenizer
 
-    return _text_only(Tokenizer.from_file(str(path)))
+    path = Path(path)
+    expected = ("expected a tokenizer.json written by bst_fast (a HF tokenizers JSON file with the "
+                + ", ".join(SPECIAL_TOKENS) + " tokens)")
+    where = _shown(path, True)
+    if os.path.isdir(path):
+        raise ValueError(f"{where} is a folder; {expected}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such tokenizer file: {where}; {expected}")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.start}), so not a tokenizer.json; {expected}") from None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot be read ({_shown(e.strerror or e, True)}); {expected}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         f"{expected}") from None
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise ValueError(f"{where}: JSON that is not a tokenizer (no \"model\" in it); {expected}")
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # HF tokenizers raises a bare Exception
+        raise ValueError(f"{where}: not a HF tokenizers JSON ({_shown(str(e), True)}); {expected}") from None
+    missing = [name for name in SPECIAL_TOKENS if tok.token_to_id(name) is None]
+    if missing:
+        raise ValueError(f"{where}: the tokenizer has no {', '.join(missing)} token"
+                         f"{'s' if len(missing) > 1 else ''}; {expected}")
+    return _text_only(tok)
 
 
 def _text_only(tokenizer):
@@ -147,13 +260,15 @@ def load_ids(path) -> list[np.ndarray]:
     """Documents of token ids from a .npy or .pt file: a 1-D array is one document, a 2-D array
     one document per row, a .pt list one document per entry."""
     path = Path(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {_shown(path, True)}")
     if path.suffix == ".npy":
         obj = np.load(path, allow_pickle=False)
     elif path.suffix == ".pt":
         obj = torch.load(path, map_location="cpu", weights_only=True)
     else:
-        raise ValueError(f"{path}: expected a .npy or .pt file of token ids")
-    return _as_rows(obj, str(path))
+        raise ValueError(f"{_shown(path, True)}: expected a .npy or .pt file of token ids")
+    return _as_rows(obj, _shown(path, True))
 
 
 def _as_rows(obj, source: str) -> list[np.ndarray]:
@@ -175,7 +290,7 @@ def _as_rows(obj, source: str) -> list[np.ndarray]:
 
 def _check_vocab(rows: list[np.ndarray], vocab_size: int, source: str) -> None:
     if not 1 <= vocab_size <= 2**31:  # the rows are stored as int32
-        raise ValueError(f"vocab_size must lie in [1, 2**31] (ids are stored as int32), got {vocab_size}")
+        raise ValueError(f"vocab_size must lie in [1, 2**31] (ids are stored as int32), got {_shown(vocab_size)}")
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
     bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
@@ -219,7 +334,10 @@ class TextData(_Batches):
     PAD and carry their lengths (docs/contract.md §1).
     """
 
-    def __init__(self, paths, tokenizer, max_len: int, held_out: float = 0.05, seed: int = 0):
+    def __init__(self, paths, tokenizer, max_len: int, held_out: float = 0.05, seed: int = 0,
+                 progress=None):
+        """progress: a bar on stderr while the corpus is tokenised (None: only for more than
+        PROGRESS_BYTES of files)."""
         max_len, held_out, seed = _check_split(max_len, held_out, seed)  # before reading anything
         ids = {}
         for name in SPECIAL_TOKENS:
@@ -230,7 +348,13 @@ class TextData(_Batches):
 
         # A copy: the caller's tokenizer keeps its own padding/truncation settings.
         encoder = _text_only(Tokenizer.from_str(tokenizer.to_str()))
-        flat, doc_lengths = _encode_documents(encoder, iter_documents(paths))
+        files = _text_files(paths)
+        bar = _progress_bar(files, progress, "tokenising the corpus")
+        try:
+            flat, doc_lengths = _encode_documents(encoder, _documents(files, bar))
+        finally:
+            if bar is not None:
+                bar.close()
         self.tokenizer = tokenizer
         self._build(flat, doc_lengths, tokenizer.get_vocab_size(), ids["<pad>"], ids["<bos>"],
                     ids["<eos>"], max_len, held_out, seed)
@@ -247,14 +371,14 @@ class TextData(_Batches):
         # before a file is read; max_len None is replaced below by the longest document's
         checked_len, held_out, seed = _check_split(3 if max_len is None else max_len, held_out, seed)
         if isinstance(rows, (str, Path)):
-            source_name = source_name or str(rows)
+            source_name = source_name or _shown(rows, True)
             rows = load_ids(rows)
-        source_name = source_name or "ids"
+        source_name = _shown(source_name or "ids", True)
         rows = _as_rows(rows, source_name)
         _check_vocab(rows, vocab_size, source_name)
         for name, v in (("pad_id", pad_id), ("bos_id", bos_id), ("eos_id", eos_id)):
             if not 0 <= check_int(name, v, 0) < vocab_size:
-                raise ValueError(f"{name}={v} is outside the vocabulary 0..{vocab_size - 1}")
+                raise ValueError(f"{name}={_shown(v)} is outside the vocabulary 0..{vocab_size - 1}")
         if len({pad_id, bos_id, eos_id}) != 3:
             raise ValueError(f"pad_id, bos_id and eos_id must differ, got {pad_id}, {bos_id}, {eos_id}")
         # (empty documents are dropped, and none left is an error, below)
@@ -329,7 +453,7 @@ class TextData(_Batches):
 def _check_split(max_len, held_out, seed):
     max_len, seed = check_int("max_len", max_len, 3), check_int("seed", seed, 0)  # BOS, a token, EOS
     if isinstance(held_out, bool) or not isinstance(held_out, (int, float, np.floating)) or not 0 <= held_out < 1:
-        raise ValueError(f"held_out must be a fraction in [0, 1), got {held_out!r}")
+        raise ValueError(f"held_out must be a fraction in [0, 1), got {_shown(held_out)}")
     return max_len, float(held_out), seed
 
 

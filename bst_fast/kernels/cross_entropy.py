@@ -8,7 +8,9 @@ suffix):
     Z[r, :V] <- g * w * lam * (softmax(Z[r, :V]) - onehot(y_n))          (NEED_GRAD only)
     Z[r, V:] <- g * w * (1 - lam) * (softmax(Z[r, V:]) - onehot(y_p))
 
-with g = gscale (1, or the torch backend's float16 chunk scale).
+with g = gscale (1, or the torch backend's float16 chunk scale). Under MEET (docs/contract.md §8:
+the pair set holds pairs with ib - ia = 1, min_gap = 1) such a pair takes `meet` as both y_n and
+y_p; without it (every min_gap >= 2) the kernel compiles without that select.
 
 One program per row; each half is two passes over V in blocks of BV: an online max / sum of
 exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
@@ -25,19 +27,23 @@ from .activation import cast
 
 
 @triton.jit
-def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gscale,
-                              NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr):
+def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gscale, meet,
+                              NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr, MEET: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row = Z + r * 2 * V
     w = tl.load(W + (s0 + r) * w_stride)
+    a = tl.load(ia + s0 + r).to(tl.int64)
+    c = tl.load(ib + s0 + r).to(tl.int64)
     total = 0.0
     for half in tl.static_range(2):
         if half == 0:
-            y = tl.load(tok + tl.load(ia + s0 + r).to(tl.int64) + 1)
+            y = tl.load(tok + a + 1)
             cw = w * lam
         else:
-            y = tl.load(tok + tl.load(ib + s0 + r).to(tl.int64) - 1)
+            y = tl.load(tok + c - 1)
             cw = w * (1.0 - lam)
+        if MEET:  # a gap-1 pair: both labels are the meet token (tok + a + 1 is still in bounds)
+            y = tl.where(c - a == 1, meet, y)
         zr = row + half * V
         # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the loss
         # is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
@@ -74,9 +80,12 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
 def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up):
     """The weighted loss of the chunk's logits Z (n, 2V), contiguous, at slots [s0, s0 + n) of the
     PairList `pl` (a 0-dim float32 sum); with need, Z becomes gscale * its gradient in place.
-    tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes."""
+    tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes.
+    The labels of gap-1 pairs are pl.meet_token (None: the pair set has none)."""
     n = Z.shape[0]
+    meet = pl.meet_token
     pair_cross_entropy_kernel[(n,)](
         Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, Z.shape[1] // 2, float(lam), float(gscale),
-        NEED_GRAD=need, BV=cfg["BV"], UP=up, num_warps=cfg["ce_warps"])
+        0 if meet is None else int(meet), NEED_GRAD=need, BV=cfg["BV"], UP=up, MEET=meet is not None,
+        num_warps=cfg["ce_warps"])
     return loss_rows[:n].sum()

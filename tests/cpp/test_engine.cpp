@@ -82,6 +82,55 @@ void test_against_materialised() {
   expect(threw, "an out-of-range pair raises c10::Error");
 }
 
+// docs/contract.md §8 and §9: min_gap 1 with meet_token (both labels of a gap-1 pair), every row's
+// pairs weighted by its own scale (row_mean: 1 / (|P_r| B), given per row).
+void test_meet_token_and_row_scale() {
+  torch::manual_seed(1);
+  const int64_t B = 3, L = 9, H1 = 6, V = 5, meet = 2;
+  auto opt = torch::dtype(torch::kFloat64);
+  auto A = torch::randn({B, L, H1}, opt).requires_grad_();
+  auto Bm = torch::randn({B, L, H1}, opt).requires_grad_();
+  auto W2 = torch::randn({2 * V, H1}, opt), c2 = torch::randn({2 * V}, opt);
+  auto tokens = torch::randint(0, V, {B, L}, torch::kLong);
+  auto lengths = torch::tensor({9, 4, 1}, torch::kLong);  // the last row has no pair
+  auto start = torch::zeros({B}, torch::kLong);
+  std::vector<int64_t> rr, ii, jj;
+  std::vector<double> ww;
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t n = lengths[r].item<int64_t>();
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = i + 1; j <= n - 1; ++j) rr.push_back(r), ii.push_back(i), jj.push_back(j);
+    for (int64_t k = 0; k < n * (n - 1) / 2; ++k) ww.push_back(1.0 / static_cast<double>(n * (n - 1) / 2 * B));
+  }
+  auto r_t = torch::tensor(rr), i_t = torch::tensor(ii), j_t = torch::tensor(jj);
+  auto x = torch::addmm(c2, torch::gelu(A.index({r_t, i_t}) + Bm.index({r_t, j_t})), W2.t());
+  auto lp = torch::log_softmax(x.view({-1, 2, V}), -1);
+  auto gap1 = (j_t - i_t) == 1;
+  auto y0 = torch::where(gap1, meet, tokens.index({r_t, i_t + 1}));
+  auto y1 = torch::where(gap1, meet, tokens.index({r_t, j_t - 1}));
+  auto ar = torch::arange(static_cast<int64_t>(rr.size()));
+  auto ref = (-(0.5 * lp.index({ar, 0, y0}) + 0.5 * lp.index({ar, 1, y1})) * torch::tensor(ww, opt)).sum();
+  ref.backward();
+
+  auto f32 = [](const at::Tensor& t) { return t.detach().to(at::kFloat); };
+  auto n_r = torch::tensor({36.0, 6.0, 1.0}, opt);  // |P_r| (the empty row's scale is never read)
+  auto row_scale = 1.0 / (n_r * static_cast<double>(B));
+  auto [loss, dA, dB, dW, dc] = bst_fast::pair_loss(
+      f32(A), f32(Bm), {f32(W2)}, {f32(c2)}, tokens, lengths, start, 1, L, std::nullopt,
+      std::nullopt, std::nullopt, row_scale, 0.5, "gelu", true, meet);
+  expect(std::abs(loss.item<double>() - ref.item<double>()) / ref.item<double>() < 1e-5, "meet_token and row scale: loss");
+  expect(rel(dA, A.grad()) < 1e-4 && rel(dB, Bm.grad()) < 1e-4, "meet_token and row scale: dA, dB");
+
+  bool threw = false;
+  try {
+    bst_fast::pair_loss(f32(A), f32(Bm), {f32(W2)}, {f32(c2)}, tokens, lengths, start, 1, L,
+                        std::nullopt, std::nullopt, std::nullopt, row_scale, 0.5, "gelu", true);
+  } catch (const c10::Error&) {
+    threw = true;
+  }
+  expect(threw, "min_gap 1 without meet_token raises c10::Error");
+}
+
 void test_sampler() {
   auto lengths = torch::tensor({12, 3, 9}, torch::kLong);
   auto start = torch::tensor({0, 0, 2}, torch::kLong);
@@ -104,6 +153,7 @@ void test_sampler() {
 
 int main() {
   test_against_materialised();
+  test_meet_token_and_row_scale();
   test_sampler();
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;

@@ -1,0 +1,290 @@
+"""bst_fast.checkpoint: checkpoints that are complete, verified and never lost to pruning.
+
+A checkpoint is out_dir/checkpoints/step-N/ (N zero-padded to at least 8 digits) holding
+model.safetensors, state.pt (optimizer, scheduler, the open logging interval), config.json, the
+task's files (a text run's tokenizer.json and data.json) and checksums.json: the sha256 of every
+other file. It is written under a temporary name unique to the process, synced, and renamed into
+place; then `latest` is replaced atomically to name it. Loading checks every checksum, that the
+weights are finite and that the optimizer state fits the model, so a damaged checkpoint is an
+error, never a silently wrong run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from ._checks import short
+from .config import TrainConfig
+from .files import atomic_write, disk_full, fsync, sha256, temporary_name
+
+CHECKSUMS = "checksums.json"
+WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
+STEP_NAME = re.compile(r"step-(\d{8,})")  # what `latest` may name: a checkpoint in checkpoints/
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only folder); the previous one is intact."""
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    """N of a folder named step-N, else None."""
+    m = STEP_NAME.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _unshared(state):
+    """The state dict on the CPU with a copy of every tensor whose storage an earlier one already
+    holds (a tied head and embedding): safetensors refuses tensors that share memory."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        v = v.detach().contiguous().cpu()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def non_finite(tensors: Dict[str, torch.Tensor]) -> List[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int, log=None,
+                    task=None) -> Path:
+    """out_dir/checkpoints/step-N, then `latest` names it, then older checkpoints beyond `keep` are
+    pruned. `log`: the logging interval still open at `step` (each rank's loss sum and the steps in
+    it), when the run stops between two logged steps; `task`: writes its files (a text run's
+    tokenizer) into the checkpoint.
+
+    Non-finite weights are refused (ValueError) before anything is written. A failed write (a full
+    disk) removes the partial folder and raises CheckpointWriteError; `latest` still names the
+    previous checkpoint."""
+    from safetensors.torch import save_file
+
+    weights = _unshared(model.state_dict())
+    bad = non_finite(weights)
+    if bad:
+        raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
+    root = Path(out_dir) / "checkpoints"
+    final = root / f"step-{step:08d}"
+    tmp = temporary_name(final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(weights, str(tmp / WEIGHTS))
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "log": log}, tmp / STATE)
+        (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+        if task is not None:
+            task.save(tmp)
+        # hashed by reading back what was just written (the page cache: no disk read)
+        sums = {path.name: sha256(path) for path in tmp.iterdir()}
+        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
+        for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
+            fsync(path)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_write(root / "latest", lambda p: p.write_text(final.name))
+        fsync(root)
+    except Exception as e:  # torch.save and safetensors report a short write as their own errors
+        full = disk_full(e) or _out_of_room(root, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(root, step, e, full)) from e
+    prune(root, final, keep)
+    return final
+
+
+def _out_of_room(root: Path, tmp: Path) -> bool:
+    """Whether the disk under `root` is (nearly) full or a file in `tmp` reached the process's file
+    size limit (ulimit -f): the C++ writers of torch.save and safetensors lose the errno."""
+    import resource
+
+    try:
+        if shutil.disk_usage(root).free <= 1 << 20:
+            return True
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return limit != resource.RLIM_INFINITY and any(p.stat().st_size >= limit - (1 << 16) for p in tmp.iterdir())
+    except OSError:
+        return False
+
+
+def _write_failure(root: Path, step: int, error: BaseException, full: bool) -> str:
+    try:
+        previous = latest_checkpoint(root.parent)
+    except ValueError:
+        previous = None
+    cause = "the disk is full (no space left on device)" if full else f"{type(error).__name__}: {short(str(error), 300)}"
+    return (f"could not write the checkpoint of step {step} under {root}: {cause}; "
+            f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}")
+
+
+def prune(root: Path, newest: Path, keep: int):
+    """Deletes checkpoints beyond the `keep` newest by step (`newest` among them, the one `latest`
+    now names); checkpoints of later steps than `newest` are orphans of an interrupted run whose
+    trajectory this one replaced, and go too. keep=0 keeps every checkpoint."""
+    if not keep:
+        return
+    now = checkpoint_step(newest)
+    older = sorted((p for p in root.iterdir() if p.is_dir() and p != newest and checkpoint_step(p) is not None),
+                   key=checkpoint_step)
+    doomed = [p for p in older if checkpoint_step(p) > now]
+    kept = [p for p in older if checkpoint_step(p) < now]
+    doomed += kept[:max(len(kept) - (keep - 1), 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale(root: Path):
+    """Temporary folders and files of a crashed or killed save (their process is gone: the caller
+    holds the run folder's lock)."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(".") and path.name.endswith(".tmp"):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def latest_checkpoint(out_dir) -> Optional[Path]:
+    """The checkpoint out_dir/checkpoints/latest names, None when there is no `latest`. A `latest`
+    that is not a file, names anything but a step-N folder of checkpoints/, or names a missing one
+    is a ValueError."""
+    latest = Path(out_dir) / "checkpoints" / "latest"
+    if not latest.exists() and not latest.is_symlink():
+        return None
+    try:
+        name = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{latest} is unreadable ({type(e).__name__}: {short(str(e))}): it should hold the name "
+                         f"of a checkpoint folder") from None
+    if latest.is_symlink() or not STEP_NAME.fullmatch(name):
+        raise ValueError(f"{latest} must name a checkpoint folder step-N of {latest.parent}, got {short(name)}")
+    path = latest.parent / name
+    if not path.is_dir() or path.is_symlink():
+        raise ValueError(f"checkpoint {path} named by {latest} is missing")
+    return path
+
+
+def verify(path: Path) -> Dict[str, str]:
+    """Checks every file of a checkpoint against its checksums.json; the checksums, or a ValueError
+    naming what is missing or damaged."""
+    path = Path(path)
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} has no {CHECKSUMS}: it is unfinished, or written by an "
+                         f"older bst_fast without checksums, and is not used") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} has a damaged {CHECKSUMS}: {short(str(e))}") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise ValueError(f"checkpoint {path} has a damaged {CHECKSUMS}: not a mapping of file names to sha256")
+    for name in (WEIGHTS, STATE, CONFIG):
+        if name not in sums:
+            raise ValueError(f"checkpoint {path}: {CHECKSUMS} does not list {name}")
+    for name, want in sums.items():
+        file = path / name
+        if Path(name).name != name or not file.is_file():
+            raise ValueError(f"checkpoint {path} is missing {short(name)}, which its {CHECKSUMS} lists")
+        if sha256(file) != want:
+            raise ValueError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in {CHECKSUMS}")
+    return sums
+
+
+def read_config(path: Path) -> TrainConfig:
+    """The TrainConfig a checkpoint was trained with (its checksums checked first)."""
+    verify(path)
+    try:
+        return TrainConfig.from_dict(json.loads((Path(path) / CONFIG).read_text()))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint {path} has a corrupt or unreadable {CONFIG}: {short(str(e), 300)}") from None
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None, verified: bool = False):
+    """Loads weights (and optimizer and scheduler) after checking the checksums (unless `verified`:
+    the caller just did), that every weight is finite and that shapes match the model; a damaged or
+    mismatched checkpoint raises ValueError. Returns the training state: {"step": N, "log": the open
+    logging interval or None} ({"step": 0} without an optimizer)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not verified:
+        verify(path)
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise ValueError(f"checkpoint {path} is corrupt or unreadable: {short(str(e), 300)}") from e
+    bad = non_finite(weights)
+    if bad:
+        raise ValueError(f"checkpoint {path} holds non-finite weights (NaN or inf) in {bad[:5]}: it is not used")
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = [k for k in own if k in weights and own[k].shape != weights[k].shape]
+    if missing or extra or shapes:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}, shape mismatch {[(k, tuple(weights[k].shape), tuple(own[k].shape)) for k in shapes[:5]]}")
+    # Names of one tied tensor (the SwiGLU head's lm_head and the token embedding) must be saved
+    # equal: loading writes them all into one Parameter, and the last one would silently win.
+    tied = {}
+    for k, v in own.items():
+        if v.numel():
+            tied.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), v.shape), []).append(k)
+    for names in tied.values():
+        if any(not torch.equal(weights[names[0]], weights[k]) for k in names[1:]):
+            raise ValueError(f"checkpoint {path} holds different values for {names}, which this model ties into "
+                             f"one tensor: it was not trained with the tie (model.head_tie_embedding)")
+    model.load_state_dict(weights)
+    state = {"step": 0}
+    if optimizer is not None:
+        try:
+            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+        except Exception as e:
+            raise ValueError(f"checkpoint {path} has a corrupt or mismatched {STATE}: {short(str(e), 300)}") from e
+        _check_optimizer_state(path, optimizer)
+    return state
+
+
+def _check_optimizer_state(path: Path, optimizer):
+    """AdamW's moments must have their parameter's shape and be finite: load_state_dict accepts any
+    tensors, and a mismatch would only fail (or silently broadcast) at the first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, v in optimizer.state.get(p, {}).items():
+                if not torch.is_tensor(v) or v.dim() == 0:
+                    continue
+                if v.shape != p.shape:
+                    raise ValueError(f"checkpoint {path} has a mismatched {STATE}: optimizer state {name!r} of shape "
+                                     f"{tuple(v.shape)} for a parameter of shape {tuple(p.shape)}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"checkpoint {path} holds non-finite optimizer state ({name!r}): it is not used")
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint folder, or a run folder's latest checkpoint; ValueError when it is neither."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if (path / CONFIG).exists():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ValueError(f"{path} is neither a checkpoint folder nor a run folder with checkpoints")
+    return found
+
+
+def load_model(path, device="cpu"):
+    """(model, TrainConfig) from a checkpoint folder (or a run folder, taking its latest checkpoint),
+    its checksums and weights checked."""
+    from .tasks import build_model
+
+    path = find_checkpoint(path)
+    cfg = read_config(path)
+    model = build_model(cfg).to(device)
+    load_checkpoint(path, model, verified=True)
+    return model, cfg

@@ -1,0 +1,361 @@
+"""bst_fast.config: the training config (TrainConfig), how it is loaded, overridden and checked.
+
+A config comes from a YAML/JSON file, a mapping or a TrainConfig; overrides (keyword arguments of
+`bst_fast.train`, `--set` on the command line) use the same field names and the same type rules.
+Every error names the field and quotes the value it got, cut to a bounded length.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
+
+from ._checks import short
+from .model import ModelConfig
+
+METHODS = ("bst", "forward", "augment", "fim", "teacherless")
+STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defined on star graphs
+
+
+def bundled_configs() -> Path:
+    """The folder of configs shipped with bst_fast: bst_fast/configs in an installed package
+    (setup.py maps the repository's configs/ there), the repository's configs/ in a clone or an
+    editable install."""
+    here = Path(__file__).resolve().parent
+    return here / "configs" if (here / "configs").is_dir() else here.parent / "configs"
+
+
+def config_path(path: Union[str, Path]) -> Path:
+    """`path` itself when it exists, else the shipped config it names (see TrainConfig.load);
+    FileNotFoundError naming the shipped ones otherwise."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"config {str(path)!r} is not a file")
+    shipped = bundled_configs()
+    name = path.name if path.suffix else path.name + ".yaml"
+    if path.parent in (Path("."), Path("configs")) and (shipped / name).is_file():
+        return shipped / name
+    names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
+    raise FileNotFoundError(f"config file {str(path)!r} does not exist (the shipped configs, loadable by "
+                            f"name: {names or 'none found'})")
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train ---
+    method: str = "bst"  # one of METHODS (see the module docstring)
+    data: str = "star"  # "star" for star graphs, else a text file or folder
+    star_degree: int = 2  # d of G(d, l): arms from the start node
+    star_path_len: int = 5  # l of G(d, l): nodes on the path, start and goal included
+    star_nodes: int = 50  # N: node labels to draw from
+    n_train: int = 0  # fixed set of training graphs; 0 streams fresh graphs every step
+    n_test: int = 500  # held-out graphs for path accuracy (never trained on)
+    augment_prob: float = 0.5  # method "augment": share of training rows whose goal becomes an intermediate node
+    text_vocab: int = 1000  # BPE vocabulary for text data (the paper: 1000)
+    max_len: int = 256  # text documents are cut to at most this many tokens
+    model: ModelConfig = field(default_factory=ModelConfig)  # vocab_size / max_len are set from the data
+    # --- objective ---
+    pairs: Optional[float] = None  # None: all prefix/suffix pairs; a fraction in (0, 1]: subsample
+    next_weight: float = 0.5  # lambda: Next vs Prev weight of the belief loss
+    gamma: float = 0.0  # weight of the plain next-token head on f (adds that head when > 0)
+    backend: str = "auto"  # belief_state_loss backend
+    # --- optimisation ---
+    steps: int = 2000  # optimizer steps
+    batch_size: int = 64  # global batch (split over DDP ranks)
+    lr: float = 3e-4  # peak learning rate
+    min_lr: float = 3e-5  # end of the cosine decay
+    warmup: int = 100  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW, on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    # --- runtime ---
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    compile: bool = False  # torch.compile the encoders
+    seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
+    out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard
+    eval_every: int = 250  # steps between evaluations (and at the end)
+    ckpt_every: int = 500  # steps between checkpoints (and at the end); 0: only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    log_every: int = 10  # steps between progress-bar / CSV updates
+    progress: bool = True  # tqdm progress bar
+
+    # ---- loading ----
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
+        return _from_dict(cls, d, "")
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "TrainConfig":
+        """A config from a .yaml/.yml or .json file. A path that does not exist but names a
+        config shipped with bst_fast (`configs/star_cpu.yaml`, `star_cpu.yaml` or `star_cpu`)
+        loads the shipped one, so the README's paths work outside a clone of the repository."""
+        path = config_path(path)
+        yaml_file = str(path).endswith((".yaml", ".yml"))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config {path} is not UTF-8 text: {e}") from None
+        try:
+            d = load_yaml(text) if yaml_file else json.loads(text)
+        except Exception as e:  # yaml's and json's parse errors alike
+            raise ValueError(f"config {path} is not valid {'YAML' if yaml_file else 'JSON'}: {short(str(e), 500)}") from None
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ValueError(f"config {path} must hold a mapping of fields, got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self):
+        def bad(name, want):
+            raise ValueError(f"config field {short(name)} must be {want}, got {short(getattr(self, name))}")
+
+        if not isinstance(self.model, ModelConfig):
+            bad("model", "a ModelConfig (a mapping of its fields goes through TrainConfig.from_dict)")
+        TrainConfig.from_dict(self.to_dict())  # every field's type, as a config file's are checked
+        if self.method not in METHODS:
+            bad("method", f"one of {METHODS}")
+        if self.method in STAR_ONLY and self.data != "star":
+            bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
+        if self.method == "augment" and self.star_path_len < 3:
+            bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
+        if not 0.0 <= self.augment_prob <= 1.0:
+            bad("augment_prob", "in [0, 1]")
+        for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if self.data != "star" and self.text_vocab < 259:
+            bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
+        if self.star_path_len < 2:
+            bad("star_path_len", ">= 2")
+        if self.max_len < 4:
+            bad("max_len", ">= 4")
+        for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                bad(name, ">= 0")
+        if self.pairs is not None and not 0.0 < self.pairs <= 1.0:
+            bad("pairs", "None or a fraction in (0, 1]")
+        if not 0.0 <= self.next_weight <= 1.0:
+            bad("next_weight", "in [0, 1]")
+        if not 0.0 <= self.gamma <= 1.0:
+            bad("gamma", "in [0, 1]")
+        for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "a finite number")
+        if not self.lr > 0:
+            bad("lr", "> 0")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"in [0, lr={self.lr}]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, "in [0, 1)")
+        if self.seed < 0:
+            bad("seed", ">= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", "'auto', 'cpu' or 'cuda'")
+        from .loss import BACKENDS
+
+        if self.backend not in BACKENDS:
+            bad("backend", f"one of {BACKENDS}")
+        self.model.check()
+        return self
+
+
+def _unknown_field(key: str, bad: str, known) -> ValueError:
+    """The error for an unknown config field: it names the key as given, the closest known field
+    and every known field at that level."""
+    *parents, leaf = bad.split(".")
+    prefix = "".join(p + "." for p in parents)
+    close = difflib.get_close_matches(leaf, list(known), n=1)
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    where = f" of {prefix[:-1]!r}" if prefix else ""
+    what = "" if key == bad else f": {short(bad)} is not a field"
+    return ValueError(f"config field {short(key)} is unknown{what}{hint}; known fields{where}: {sorted(known)}")
+
+
+def field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _from_dict(cls, d, prefix):
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        name = prefix + str(key)
+        if key not in known:
+            raise _unknown_field(name, name, known)
+        default = field_default(known[key])
+        if dataclasses.is_dataclass(default):
+            if isinstance(value, type(default)):
+                value = dataclasses.asdict(value)  # checked like a mapping, and copied
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config field {short(name)} must be a mapping, got {short(value)}")
+            value = _from_dict(type(default), value, name + ".")
+        elif default is not None:
+            want = type(default)
+            if value is None:  # only a field whose default is None takes null
+                raise ValueError(f"config field {short(name)} must be {want.__name__}, got None")
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if want is float and isinstance(value, str):
+                # YAML 1.1 reads 3e-4 (no dot) as a string: a number written as text is the number
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)  # data: 2024 names a file or folder called 2024
+            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            if key == "head_hidden" and isinstance(value, list):
+                ok = all(isinstance(v, int) for v in value)
+            if not ok:
+                raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
+        elif key == "pairs" and value is not None:
+            if isinstance(value, str):  # 5e-1 (YAML 1.1 text), as for the float fields above
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"config field {short(name)} must be None or a fraction, got {short(value)}")
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConfig:
+    """A new TrainConfig: `cfg` with `overrides` applied, in order; `cfg` is left as it was.
+
+    Keys are field names. A nested config's fields are given as a mapping, which changes only the
+    fields it names (`{"model": {"n_layer": 6}}`), as dotted keys (`{"model.n_layer": 6}`, the
+    form `--set` takes), or as a whole `ModelConfig`. Values are checked as `from_dict` checks them;
+    an unknown field raises a ValueError naming it and listing the known fields."""
+    d = cfg.to_dict()
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key or "" in key.split("."):
+            raise ValueError(f"config field {short(key)} is not a field name (name, or parent.name for a nested field)")
+        *parents, leaf = key.split(".")
+        node, cls, path = d, TrainConfig, ""
+        for p in parents:
+            known = {f.name: f for f in fields(cls)}
+            if p not in known:
+                raise _unknown_field(key, path + p, known)
+            sub = field_default(known[p])
+            if not dataclasses.is_dataclass(sub):
+                raise ValueError(f"config field {short(key)} is unknown: {path + p!r} is a field of type "
+                                 f"{type(sub).__name__}, not a config with fields")
+            node, cls, path = node[p], type(sub), path + p + "."
+        known = {f.name: f for f in fields(cls)}
+        if leaf not in known:
+            raise _unknown_field(key, path + leaf, known)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(field_default(known[leaf])):
+            node[leaf] = {**node[leaf], **value}  # a partial mapping changes only the fields it names
+        else:
+            node[leaf] = value
+    return TrainConfig.from_dict(d)
+
+
+# Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
+# the schedule's length, but extending a run is a deliberate choice).
+# Not n_test: the star-graph test set, and so what training excludes, depends on it.
+RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "log_every",
+                     "progress", "device", "compile", "out_dir", "backend")
+
+
+# A config is a handful of fields: a few aliases are a convenience, thousands are a YAML bomb (nested
+# aliases expand exponentially when anything walks the result, e.g. an error message's repr).
+MAX_YAML_ALIASES = 100
+
+
+def load_yaml(text: str):
+    """yaml.safe_load, refusing a document with more than MAX_YAML_ALIASES aliases (`*name`)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                self.aliases = getattr(self, "aliases", 0) + 1
+                if self.aliases > MAX_YAML_ALIASES:
+                    raise ValueError(f"more than {MAX_YAML_ALIASES} aliases (*name): refused, as a YAML bomb would be")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=Loader)
+
+
+ConfigLike = Union[TrainConfig, Mapping[str, Any], str, os.PathLike, None]
+
+
+def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
+    """A TrainConfig from what `train` accepts: None (the defaults), a TrainConfig (copied, never
+    changed), a mapping of fields (nested mappings or dotted keys for the model's fields) or the
+    path of a YAML/JSON config; then keyword overrides as in `apply_overrides`."""
+    if config is None:
+        cfg = TrainConfig()
+    elif isinstance(config, TrainConfig):
+        cfg = copy.deepcopy(config)
+    elif isinstance(config, Mapping):
+        cfg = apply_overrides(TrainConfig(), config)
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = TrainConfig.load(config)
+    else:
+        raise TypeError(f"config must be a TrainConfig, a dict of fields or the path of a YAML/JSON file, "
+                        f"got {type(config).__name__}")
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+
+
+def _is_text_field(key: str) -> bool:
+    """Whether the config field `key` (dotted for the model's) holds a string: its --set value is
+    the text as written, so data=2024 or out_dir=on name a file, not a number or a bool."""
+    cls = TrainConfig
+    *parents, leaf = key.split(".")
+    for name in parents:
+        f = {f.name: f for f in fields(cls)}.get(name)
+        if f is None or not dataclasses.is_dataclass(field_default(f)):
+            return False
+        cls = type(field_default(f))
+    f = {f.name: f for f in fields(cls)}.get(leaf)
+    return f is not None and isinstance(field_default(f), str)
+
+
+def apply_sets(cfg: TrainConfig, sets: Iterable[str]) -> TrainConfig:
+    """`cfg` with `--set key=value` overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2]
+    work), except that a string field takes the text as written ('#', '~' and 'null' included;
+    quotes are removed) and an integer is decimal (010 is 10); then the rules of `apply_overrides`.
+    A field named twice takes the last value."""
+    import yaml
+
+    overrides = []
+    for item in sets:
+        if "=" not in item:
+            raise ValueError(f"--set takes key=value, got {short(item)}")
+        key, value = item.split("=", 1)
+        key, text = key.strip(), value.strip()
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        if _is_text_field(key) and not quoted:
+            parsed = text  # as written: YAML would cut "runs/exp #2" at the '#', or read '~' as null
+        elif re.fullmatch(r"[+-]?[0-9]+", text):
+            parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
+        else:
+            try:
+                parsed = load_yaml(value)
+            except (yaml.YAMLError, ValueError) as e:
+                raise ValueError(f"--set {short(key)}: {short(value)} is not a YAML value ({short(str(e))})") from None
+        overrides.append((key, parsed))
+    cfg = apply_overrides(cfg, {})  # a copy even without overrides
+    for key, value in overrides:  # one at a time: --set may name a field twice, the last one wins
+        cfg = apply_overrides(cfg, {key: value})
+    return cfg

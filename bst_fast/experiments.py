@@ -1,0 +1,108 @@
+"""bst_fast.experiments: the paper's star-graph experiments, each a series of runs of one config.
+
+`star`: the BST against the forward-only baseline (the README's main command); `table`: every
+baseline and BST ablation of the paper's star-graph figure. Each run has its own folder under the
+config's out_dir; `resume` continues an interrupted series (a finished run is reported, a run not
+started yet is started).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import trainer
+from .checkpoint import latest_checkpoint
+from .config import TrainConfig, apply_sets
+
+
+def _train_run(cfg, resume):
+    """One run of star or table. Without --resume it starts over; with it, a run continues from its
+    checkpoint, a finished run reports its logged final figures, and a run that had not written a
+    checkpoint yet (the job stopped during an earlier run) starts."""
+    go_on = resume and latest_checkpoint(cfg.out_dir) is not None
+    return trainer.train(cfg, resume=go_on, overwrite=not go_on)
+
+
+def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
+    """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
+    prints their path accuracy side by side."""
+    rows = []
+    for method in methods:
+        cfg = copy.deepcopy(base)
+        cfg.method = method
+        cfg.out_dir = str(Path(base.out_dir) / method)
+        print(f"== {method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
+              f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
+        result = _train_run(cfg, resume)  # a reproduction reruns, unless resumed
+        rows.append((method, result))
+    print("\n| method | path accuracy | final loss | steps/s |")
+    print("| --- | --- | --- | --- |")
+    for method, r in rows:
+        print(f"| {method} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
+              f"{r.get('steps_per_s', float('nan')):.2f} |")
+    d = base.star_degree
+    print(f"\n(a forward-only model that learned only the 'flawed cheat' scores about 1/d = {1 / d:.3f})")
+
+
+# The paper's star-graph figure: its four baselines, the BST and the two BST ablations.
+TABLE_ROWS = (
+    ("forward-only", {"method": "forward"}),
+    ("data augmentation", {"method": "augment"}),
+    ("fill-in-the-middle", {"method": "fim"}),
+    ("teacherless (multi-token)", {"method": "teacherless"}),
+    ("BST", {"method": "bst"}),
+    ("BST w/o Prev", {"method": "bst", "next_weight": 1.0}),
+    ("BST w/o backward", {"method": "bst", "model.backward_encoder": False}),
+)
+# Every row starts from the full BST's settings, so a base config's ablation never reaches the row
+# labelled "BST".
+TABLE_BASE = {"next_weight": 0.5, "model.backward_encoder": True}
+
+
+def machine() -> str:
+    """The CPU (or GPU) model, the thread count and the torch version, for result files."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
+    """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
+    per method; `out`: also write the table there, below `note`."""
+    rows = []  # every row's config is checked before the first one trains
+    for label, changes in TABLE_ROWS:
+        cfg = apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in {**TABLE_BASE, **changes}.items()]).check()
+        cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
+        rows.append((label, cfg))
+    lines = []
+    for label, cfg in rows:
+        print(f"== {label}", flush=True)
+        t0 = time.perf_counter()
+        r = _train_run(cfg, resume)
+        lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
+                     f"{time.perf_counter() - t0:.0f} |")
+    text = "\n".join([
+        f"Star graph G({base.star_degree},{base.star_path_len}), N={base.star_nodes} node labels, "
+        f"{base.n_test} test graphs; {base.model.n_layer} layers x {base.model.d_model}, "
+        f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", "",
+        "| method | path accuracy | final train loss | train time (s) |", "| --- | --- | --- | --- |", *lines, "",
+        f"(guessing one arm at random scores 1/d = {1 / base.star_degree:.3f})"])
+    print("\n" + text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text((note + "\n\n" if note else "") + text + "\n")

@@ -1,0 +1,219 @@
+"""bst_fast.tasks: what a run trains on and how it is scored, and the objective it optimises.
+
+A task (StarTask: star graphs and path accuracy, docs/contract.md §7; TextTask: BPE text and the
+held-out loss) gives the batches of each step as pure functions of (seed, step), the vocabulary and
+row length the model needs (`model_config`), and an evaluation. `Objective` is the loss's
+settings from the config, the one place both model calls (training, held-out loss) take them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ._pairs import pair_counts
+from .config import TrainConfig
+from .decode import sample
+from .files import atomic_write
+from .model import BeliefStateTransformer, ForwardOnly, Teacherless
+
+TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The loss's settings (docs/contract.md §4-§5): what `model.forward` takes besides the batch."""
+
+    pairs: Optional[float]
+    next_weight: float
+    gamma: float
+    backend: str
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "Objective":
+        return cls(pairs=cfg.pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend)
+
+    def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total):
+        """model(batch) with these settings: {"total", "belief", "gpt"} as the models return."""
+        return model(tokens, lengths, prefix_start=prefix_start, generator=generator, pair_total=pair_total,
+                     token_total=token_total, **dataclasses.asdict(self))
+
+
+class StarTask:
+    """Star-graph batches and path-accuracy evaluation (docs/contract.md §7)."""
+
+    def __init__(self, cfg: TrainConfig):
+        from .data import StarGraphData, StarGraphStream, StarGraphTokenizer
+
+        self.tok = StarGraphTokenizer(cfg.star_nodes)
+        self.data = StarGraphData(cfg.star_degree, cfg.star_path_len, cfg.star_nodes,
+                                  n_train=cfg.n_train, n_test=cfg.n_test, seed=cfg.seed)
+        self.stream = None if cfg.n_train else StarGraphStream(
+            cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
+        self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
+        self.prefix_start = self.data.prefix_start
+        self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
+        l = self.data.path_len
+        if self.method == "fim":  # rows grow by "|" and a suffix of at most l - 1 path nodes
+            self.max_len += l
+        # Test prompts: FIM is given the shortest suffix, the goal alone ([... / s g | g =]).
+        self.test_rows, self.test_start = self.data.test_tokens, self.prefix_start
+        if self.method == "fim":
+            self.test_rows, _, starts = self.fim_rows(self.data.test_tokens, torch.full((len(self.test_rows),), l))
+            self.test_start = int(starts[0])
+
+    files = ()  # nothing is written: the graphs are functions of the seed
+
+    def save(self, folder: Path):
+        """Nothing of star-graph data is written to a run (its graphs are functions of the seed)."""
+
+    def batch(self, step, batch_size):
+        """(tokens, lengths, prefix_start (B,) or None): the method's training rows of step `step`."""
+        rows = self.stream.batch(step, batch_size) if self.stream else self.data.batch(step, batch_size, self.seed)
+        lengths = torch.full((rows.shape[0],), rows.shape[1], dtype=torch.long)
+        # The transforms draw from their own (seed, step) generator: resume stays exact.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_033 + step)
+        l, ps = self.data.path_len, self.prefix_start
+        if self.method == "augment":
+            # [E / s g = path] -> [E / s n' = path], n' uniform among the intermediate nodes n_2..n_{l-1}
+            rows = rows.clone()
+            which = torch.rand(len(rows), generator=gen) < self.augment_prob
+            mid = torch.randint(2, l, (len(rows),), generator=gen)  # 1-based path index of n'
+            node = rows.gather(1, (ps + mid)[:, None])[:, 0]
+            rows[:, ps - 1] = torch.where(which, node, rows[:, ps - 1])
+        if self.method == "fim":
+            j = torch.randint(2, l + 1, (len(rows),), generator=gen)  # suffix n_j..n_l, 1 to l-1 nodes
+            rows, lengths, starts = self.fim_rows(rows, j)
+            return rows, lengths, starts
+        return rows, lengths, None
+
+    def fim_rows(self, rows, j):
+        """The paper's FIM rows [BOS E / s g | n_j .. n_l = n_1 .. n_l EOS], right-padded: (rows, lengths,
+        prefix_start (B,)) with j (B,) the 1-based first suffix node."""
+        ps, l = self.prefix_start, self.data.path_len
+        out = torch.full((len(rows), rows.shape[1] + l), self.tok.pad_id, dtype=torch.long)
+        lengths, starts = torch.empty(len(rows), dtype=torch.long), torch.empty(len(rows), dtype=torch.long)
+        for r in range(len(rows)):
+            jr = int(j[r])
+            suffix = rows[r, ps + jr:ps + l + 1]  # path node k sits at ps + k
+            row = torch.cat([rows[r, :ps], rows.new_tensor([self.tok.edge_sep_id]), suffix, rows[r, ps:]])
+            out[r, :len(row)] = row
+            lengths[r], starts[r] = len(row), ps + 1 + len(suffix)
+        return out, lengths, starts
+
+    @torch.no_grad()
+    def evaluate(self, model, device):
+        from .data import path_accuracy
+
+        was = model.training
+        model.eval()
+        eos = self.tok.eos_id
+
+        def generate(prefix, n_new):
+            if isinstance(model, Teacherless):  # one pass, not a search
+                return model.generate(prefix.to(device), n_new).cpu()
+            return sample(model, prefix.to(device), n_new, eos, temperature=0).cpu()
+
+        acc = path_accuracy(generate, self.test_rows, self.test_start, self.data.path_len)
+        model.train(was)
+        return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
+
+
+def batch_totals(lengths, start_pos, L):
+    """(pairs, next-token targets) of rows of `lengths` (at most L): the counts the losses are
+    normalised by."""
+    pairs = pair_counts(lengths, start_pos, 2, L, L).sum().item()
+    return pairs, ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
+
+
+class TextTask:
+    """BPE-tokenised text batches and held-out loss."""
+
+    def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
+        from .data import TextData, load_tokenizer, train_bpe
+
+        # A resumed run reads the tokenizer its checkpoint carries (verified with the checkpoint); a
+        # new one trains its own, written by save() once the run is known to start.
+        resume = resume_from is not None
+        progress = None if cfg.progress and rank == 0 else False  # bars for large corpora, rank 0 only
+        if resume:
+            path = Path(resume_from) / TOKENIZER
+            if not path.is_file():
+                raise ValueError(f"--resume: checkpoint {resume_from} holds no {TOKENIZER} (the run's tokenizer)")
+            self.tokenizer = load_tokenizer(path)
+        else:
+            self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
+        self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress)
+        self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
+        self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg)
+        # The config holds the corpus's path only: a resumed run must also find the same corpus
+        # there, or its split (and so every batch and the held-out loss) would silently change.
+        if resume:
+            try:
+                then = json.loads((Path(resume_from) / CORPUS).read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--resume: checkpoint {resume_from} has no readable {CORPUS} (the corpus's "
+                                 f"fingerprint): {e}") from None
+            now = self.data.fingerprint()
+            if then != now:
+                raise ValueError(f"--resume: the corpus at {cfg.data} is not the one this run was trained on "
+                                 f"(then {then}, now {now})")
+
+    files = (TOKENIZER, CORPUS)
+
+    def save(self, folder: Path):
+        """The tokenizer and the corpus's fingerprint, into the run folder at its start and into every
+        checkpoint, so that a checkpoint decodes and resumes with what it was trained with."""
+        from .data import save_tokenizer
+
+        atomic_write(folder / TOKENIZER, lambda p: save_tokenizer(self.tokenizer, p))
+        atomic_write(folder / CORPUS, lambda p: Path(p).write_text(json.dumps(self.data.fingerprint(), indent=1)))
+
+    def batch(self, step, batch_size):
+        return (*self.data.batch(step, batch_size, self.seed), None)
+
+    @torch.no_grad()
+    def evaluate(self, model, device):
+        held = self.data.held_out_lengths
+        if not len(held):  # no held-out rows (one document of one row, or held_out 0): no figure
+            return {}
+        # Every batch is normalised by the whole held-out set's pair and token counts, so the
+        # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
+        pair_total, token_total = batch_totals(held, torch.zeros_like(held), int(held.max()))
+        was = model.training
+        model.eval()
+        loss = 0.0
+        for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.batch_size)):
+            out = self.objective(model, tokens.to(device), lengths.to(device), prefix_start=0,
+                                 generator=torch.Generator().manual_seed(k), pair_total=pair_total,
+                                 token_total=token_total)
+            loss += float(out["total"])
+        model.train(was)
+        return {"held_out_loss": loss}
+
+
+Task = Union[StarTask, TextTask]
+
+
+def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0) -> Task:
+    """The task of `cfg`; `resume_from`: the checkpoint a resumed run continues from (a text run
+    reads its tokenizer there); `rank`: only rank 0 shows progress."""
+    return StarTask(cfg) if cfg.data == "star" else TextTask(cfg, resume_from, rank)
+
+
+def model_config(cfg: TrainConfig, task: Task) -> TrainConfig:
+    """A copy of `cfg` whose model fields the data decides are set: the vocabulary (teacherless: one
+    extra id, the dummy answer token), the row length, and the plain next-token head when gamma > 0.
+    `cfg` itself is left as it was checked."""
+    model = dataclasses.replace(cfg.model, vocab_size=task.vocab_size + (cfg.method == "teacherless"),
+                                max_len=task.max_len, gpt_head=cfg.gamma > 0)
+    return dataclasses.replace(cfg, model=model.check())
+
+
+def build_model(cfg: TrainConfig):
+    if cfg.method == "bst":
+        return BeliefStateTransformer(cfg.model)
+    return Teacherless(cfg.model) if cfg.method == "teacherless" else ForwardOnly(cfg.model)

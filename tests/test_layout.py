@@ -1,0 +1,88 @@
+"""The house: which module may import which (no import circles), and what the sdist ships."""
+import ast
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "bst_fast"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path):
+    """Every bst_fast module `path` imports, at module level or inside a function."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("bst_fast")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("bst_fast"):
+                continue
+            for a in node.names:  # `from . import x` imports the module x when there is one
+                sub = f"{mod}.{a.name}"
+                out.add(sub if sub in MODULES else mod)
+    # The package's facade (bst_fast/__init__.py re-exports the API) and the compiled _C are no floor.
+    out.discard("bst_fast")
+    out.discard(name)
+    return out
+
+
+MODULES = {module_name(p) for p in PKG.rglob("*.py")}
+GRAPH = {module_name(p): imports(p) for p in PKG.rglob("*.py")}
+
+
+def reaches(start, goal):
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for n in GRAPH.get(m, ()):
+            if n == goal:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return False
+
+
+@pytest.mark.parametrize("low, high", [
+    ("bst_fast._pairs", "bst_fast.backends"),  # the shared pair code depends on no backend
+    ("bst_fast._pairs", "bst_fast.backends.cpp_backend"),
+    ("bst_fast.model", "bst_fast.decode"),  # decoding is built on the model, not inside it
+    ("bst_fast.decode", "bst_fast.trainer"),
+    ("bst_fast.config", "bst_fast.trainer"),
+    ("bst_fast.checkpoint", "bst_fast.trainer"),
+    ("bst_fast.files", "bst_fast.checkpoint"),
+])
+def test_lower_floors_do_not_import_higher_ones(low, high):
+    assert not reaches(low, high), f"{low} imports {high} (directly or through another module)"
+
+
+def test_no_import_circles_outside_the_backends_registry():
+    """No module reaches itself through its imports. The backends package's registry and its
+    modules are checked once the registry stops being a helper module they import back."""
+    circles = [m for m in GRAPH if reaches(m, m) and not m.startswith("bst_fast.backends")]
+    assert not circles, {m: sorted(GRAPH[m]) for m in circles}
+
+
+def test_the_sdist_ships_the_docs_the_errors_cite(tmp_path):
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    names = tarfile.open(sdist).getnames()
+    assert any(n.endswith("docs/contract.md") for n in names), names
+    assert any(n.endswith("configs/star_cpu.yaml") for n in names)

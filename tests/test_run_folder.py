@@ -1,0 +1,406 @@
+"""Run folders, checkpoints and the CLI under faults and hostile input (issue 20's cases, one test each):
+nothing a user owns is deleted, a second process is refused, every resume continues exactly or says
+why it cannot, and no damaged checkpoint is used."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bst_fast import TrainConfig, load_model, train
+from bst_fast import checkpoint as ckpt_mod
+from bst_fast.checkpoint import CHECKSUMS, latest_checkpoint, prune
+from bst_fast.config import resolve_config
+from bst_fast.files import sha256
+from bst_fast.run_folder import LOCK, MARKER, RunFolder
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+
+
+def tiny(out_dir, **changes):
+    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+
+
+def cli(*args, cwd=None, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "bst_fast", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=300, **kw)
+
+
+def one_error_line(proc):
+    """A CLI failure: a non-zero exit and exactly one line on stderr, starting 'error:'."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0, proc.stdout
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    return lines[0]
+
+
+def snapshot(folder: Path):
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def rehash(ckpt: Path):
+    sums = {p.name: sha256(p) for p in ckpt.iterdir() if p.name != CHECKSUMS}
+    (ckpt / CHECKSUMS).write_text(json.dumps(sums))
+
+
+# ---- 1. --overwrite deletes only what a run wrote, only in a marked folder
+
+def test_overwrite_of_an_unmarked_folder_is_refused_and_deletes_nothing(tmp_path):
+    d = tmp_path / "d"
+    (d / "checkpoints" / "other").mkdir(parents=True)
+    (d / "checkpoints" / "other" / "w.pt").write_text("w")
+    (d / "tokenizer.json").write_text("{}")
+    before = snapshot(d)
+    with pytest.raises(ValueError, match=r"not a bst_fast run folder.*checkpoints/.*tokenizer\.json"):
+        train(tiny(d), overwrite=True)
+    assert snapshot(d) == before
+
+
+def test_overwrite_of_a_run_keeps_foreign_files(tmp_path):
+    d = tmp_path / "d"
+    train(tiny(d))
+    assert (d / MARKER).is_file()
+    (d / "checkpoints" / "other").mkdir()
+    (d / "checkpoints" / "other" / "w.pt").write_text("w")
+    (d / "notes.txt").write_text("mine")
+    (d / "tensorboard").mkdir(exist_ok=True)
+    (d / "tensorboard" / "mine.txt").write_text("mine")
+    run_id = json.loads((d / MARKER).read_text())["run_id"]
+    train(tiny(d, seed=1), overwrite=True)
+    assert (d / "checkpoints" / "other" / "w.pt").read_text() == "w"
+    assert (d / "notes.txt").read_text() == "mine" and (d / "tensorboard" / "mine.txt").read_text() == "mine"
+    assert json.loads((d / MARKER).read_text())["run_id"] != run_id  # a new run
+    assert json.loads((latest_checkpoint(d) / "config.json").read_text())["seed"] == 1
+
+
+def test_current_folder_is_never_deleted_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train(tiny("."))
+    with pytest.raises(ValueError, match="current folder"):
+        train(tiny("."), overwrite=True)
+    assert latest_checkpoint(".") is not None
+
+
+def test_star_refuses_a_foreign_method_folder(tmp_path):
+    (tmp_path / "proj" / "bst" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "proj" / "bst" / "checkpoints" / "keep.pt").write_text("k")
+    proc = cli("star", "--config", TINY, "--set", f"out_dir={tmp_path / 'proj'}")
+    assert "not a bst_fast run folder" in one_error_line(proc)
+    assert (tmp_path / "proj" / "bst" / "checkpoints" / "keep.pt").read_text() == "k"
+
+
+# ---- 2. every check before any deletion
+
+@pytest.mark.parametrize("sets", [["backend=triton"], ["backend=cpp", "model.head_type=swiglu"]])
+def test_a_failing_overwrite_leaves_the_old_run(tmp_path, sets):
+    """The backend's refusal (triton off a GPU, cpp with the SwiGLU head) comes before the deletion."""
+    if "backend=triton" in sets and torch.cuda.is_available():
+        pytest.skip("triton runs here")
+    d = tmp_path / "k"
+    train(tiny(d))
+    before = snapshot(d)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", f"out_dir={d}",
+                           "--overwrite", *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    one_error_line(proc)
+    assert snapshot(d) == before
+
+
+def test_a_failed_first_text_start_leaves_nothing(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"story {i} of a cat and a dog who ran far away" for i in range(40)))
+    d = tmp_path / "t"
+    with pytest.raises(ValueError):
+        train(tiny(d, data=str(corpus), text_vocab=300, max_len=32), backend="cpp", **{"model.head_type": "swiglu"})
+    assert not d.exists() or not any(d.iterdir())
+
+
+# ---- 3. pruning
+
+def test_pruning_orders_by_step_and_keeps_what_latest_names(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (99_999_999, 100_000_000, 5):
+        (root / f"step-{n:08d}").mkdir(parents=True)
+    prune(root, root / "step-100000000", keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-100000000", "step-99999999"]
+
+
+def test_resume_after_a_kill_between_rename_and_latest(tmp_path):
+    """keep 1, a checkpoint renamed into place but `latest` still naming the one before; the resumed
+    run checkpoints more often: every later resume still finds what `latest` names."""
+    d = tmp_path / "r"
+    cfg = dict(steps=30, ckpt_every=10, keep_checkpoints=1, eval_every=0, log_every=5)
+    train(tiny(d, **cfg), stop_at=10)
+    kept = tmp_path / "step10"
+    shutil.copytree(d / "checkpoints" / "step-00000010", kept)
+    train(tiny(d, **cfg), resume=True, stop_at=20)
+    # the kill: step-20 is in place, `latest` was not moved yet (and step-10 not pruned yet)
+    shutil.copytree(kept, d / "checkpoints" / "step-00000010")
+    (d / "checkpoints" / "latest").write_text("step-00000010")
+    train(tiny(d, **{**cfg, "ckpt_every": 5}), resume=True, stop_at=25)
+    assert latest_checkpoint(d).name == "step-00000025"
+    train(tiny(d, **{**cfg, "ckpt_every": 5}), resume=True)
+    assert latest_checkpoint(d).name == "step-00000030"
+    full = tmp_path / "full"
+    train(tiny(full, **cfg))
+    a, _ = load_model(d)
+    b, _ = load_model(full)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---- 4. one process per folder
+
+def test_a_second_process_is_refused_naming_the_holder(tmp_path):
+    d = tmp_path / "l"
+    d.mkdir()
+    holder = RunFolder(d)
+    holder.lock()
+    try:
+        with pytest.raises(ValueError, match=rf"in use by another process \(pid {os.getpid()}\)"):
+            train(tiny(d))
+        assert sorted(p.name for p in d.iterdir()) == [LOCK]  # nothing written
+    finally:
+        holder.unlock()
+    train(tiny(d))  # released: the folder takes a run
+
+
+def test_two_concurrent_runs_one_wins_and_its_folder_is_its_own(tmp_path):
+    d = tmp_path / "c"
+    slow = ["--set", "steps=60", "--set", "ckpt_every=5", "--set", "eval_every=0"]
+    procs = [subprocess.Popen([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set",
+                               f"out_dir={d}", "--set", f"seed={s}", *slow], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for s in (1, 2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 2], outs
+    loser = outs[codes.index(2)][1]
+    assert "in use by another process" in loser or "already holds a run" in loser
+    winner_seed = 1 + codes.index(0)
+    for ck in (d / "checkpoints").glob("step-*"):
+        assert json.loads((ck / "config.json").read_text())["seed"] == winner_seed
+    rows = (d / "metrics.csv").read_text().splitlines()[1:]
+    keys = [tuple(r.split(",")[:2]) for r in rows]
+    assert len(keys) == len(set(keys))  # no interleaved duplicate rows
+
+
+# ---- 5. a full disk, and a stale temporary folder
+
+def test_a_full_disk_is_reported_and_the_previous_checkpoint_kept(tmp_path, monkeypatch):
+    d = tmp_path / "f"
+    train(tiny(d), stop_at=3)
+    good = latest_checkpoint(d)
+    real = torch.save
+
+    def full(obj, f, *a, **k):  # as torch.save reports it: a RuntimeError raised from the OSError
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 43840 vs 43792") from e
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", full)
+    with pytest.raises(OSError, match=r"disk is full.*step-00000003 is intact"):
+        train(tiny(d), resume=True)
+    monkeypatch.setattr(ckpt_mod.torch, "save", real)
+    assert latest_checkpoint(d) == good
+    assert not [p for p in (d / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    train(tiny(d), resume=True)
+    assert latest_checkpoint(d).name == "step-00000006"
+
+
+def test_a_stale_temporary_checkpoint_is_cleaned_up(tmp_path):
+    d = tmp_path / "s"
+    train(tiny(d), stop_at=3)
+    stale = d / "checkpoints" / ".step-00000006.424242.tmp"
+    stale.mkdir()
+    (stale / "state.pt").write_bytes(b"half")
+    train(tiny(d), resume=True)
+    assert not stale.exists() and latest_checkpoint(d).name == "step-00000006"
+
+
+# ---- 6. damaged checkpoints are refused
+
+def test_damaged_or_non_finite_checkpoints_are_refused(tmp_path):
+    d = tmp_path / "n"
+    train(tiny(d), stop_at=3)
+    ck = latest_checkpoint(d)
+    weights = ck / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = b"\xff" * 8  # garbage in the tensor bytes, header intact
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupt.*model.safetensors"):
+        train(tiny(d), resume=True)
+    with pytest.raises(ValueError, match="corrupt"):
+        load_model(d)
+    rehash(ck)  # checksums that match: the NaN weights are still refused
+    with pytest.raises(ValueError, match="non-finite"):
+        load_model(d)
+    proc = cli("generate", "--checkpoint", d, "--prefix", "3 7 / 3 7 =")
+    assert "non-finite" in one_error_line(proc)
+    (ck / CHECKSUMS).unlink()
+    with pytest.raises(ValueError, match="no checksums.json"):
+        train(tiny(d), resume=True)
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
+    from bst_fast.trainer import TrainingStopped
+
+    d = tmp_path / "w"
+    train(tiny(d), stop_at=3)
+    real = torch.optim.AdamW.step
+
+    def poison(self, *a, **k):
+        out = real(self, *a, **k)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poison)
+    with pytest.raises(TrainingStopped, match="step-00000003"):
+        train(tiny(d, log_every=100, eval_every=0), resume=True)
+    assert latest_checkpoint(d).name == "step-00000003"
+
+
+def test_optimizer_state_of_another_shape_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(tiny(a), stop_at=3)
+    train(tiny(b, **{"model.head_hidden": 24}), stop_at=3)
+    ck = latest_checkpoint(a)
+    shutil.copy(latest_checkpoint(b) / "state.pt", ck / "state.pt")
+    rehash(ck)
+    with pytest.raises(ValueError, match="mismatched state.pt"):
+        train(tiny(a), resume=True)
+
+
+@pytest.mark.parametrize("name", ["../..", "/etc", "step-1", "."])
+def test_latest_must_name_a_checkpoint_folder(tmp_path, name):
+    d = tmp_path / "x"
+    train(tiny(d), stop_at=3)
+    (d / "checkpoints" / "latest").write_text(name)
+    with pytest.raises(ValueError, match="must name a checkpoint folder"):
+        train(tiny(d), resume=True)
+
+
+def test_latest_as_a_directory_is_one_error_line(tmp_path):
+    d = tmp_path / "x"
+    train(tiny(d), stop_at=3)
+    (d / "checkpoints" / "latest").unlink()
+    (d / "checkpoints" / "latest").mkdir()
+    one_error_line(cli("train", "--config", TINY, "--set", f"out_dir={d}", "--resume"))
+
+
+# ---- 7. a checkpoint carries its tokenizer
+
+def test_generate_uses_the_checkpoints_own_tokenizer(tmp_path):
+    from bst_fast.__main__ import _TextCodec
+    from bst_fast.data import load_tokenizer
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("\n\n".join(f"the quick brown fox number {i} jumps" for i in range(60)))
+    d = tmp_path / "run"
+    train(tiny(d, data=str(corpus), text_vocab=300, max_len=32))
+    copy = tmp_path / "copy"
+    shutil.copytree(latest_checkpoint(d), copy)
+    other = tmp_path / "b.txt"
+    other.write_text("\n\n".join(f"zebra quagga okapi {i} xylophone" for i in range(60)))
+    train(tiny(d, data=str(other), text_vocab=300, max_len=32), overwrite=True)  # the run folder moves on
+    codec = _TextCodec(copy)
+    assert codec.tok.to_str() == load_tokenizer(copy / "tokenizer.json").to_str()
+    assert codec.tok.to_str() != load_tokenizer(d / "tokenizer.json").to_str()
+    proc = cli("generate", "--checkpoint", copy, "--prefix", "the quick")
+    assert proc.returncode == 0, proc.stderr
+    assert "zebra" not in proc.stdout and "quagga" not in proc.stdout
+
+
+# ---- 8. a YAML bomb
+
+def test_a_yaml_bomb_is_refused_quickly(tmp_path):
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for k in range(1, 30):
+        lines.append(f"a{k}: &a{k} [*a{k-1}, *a{k-1}, *a{k-1}, *a{k-1}, *a{k-1}, *a{k-1}, *a{k-1}, *a{k-1}]")
+    lines.append("steps: *a29")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="aliases"):
+        TrainConfig.load(bomb)
+    assert time.perf_counter() - t0 < 5
+    nested = tmp_path / "nested.yaml"  # few aliases, but a huge value: the message stays short
+    nested.write_text('a: &a ["' + "x" * 10000 + '"]\nsteps: [*a, *a]')
+    with pytest.raises(ValueError) as e:
+        TrainConfig.load(nested)
+    assert len(str(e.value)) < 600
+
+
+# ---- 10. one clear line for every CLI failure
+
+def test_cli_faults_are_one_line(tmp_path):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    one_error_line(cli("train", "--config", listed))
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    one_error_line(cli("train", "--config", TINY, "--set", f"out_dir={loop / 'x'}"))
+    line = one_error_line(cli("train", "--config", TINY, "--set", f"out_dir={tmp_path / 'big'}",
+                              "--set", "model.d_model=1000000000", "--set", "model.n_head=1"))
+    assert len(line) < 2100
+    bad_tok = tmp_path / "badtok"
+    train(tiny(bad_tok), stop_at=3)
+    (bad_tok / "checkpoints" / "latest").write_text("step-00000099")
+    one_error_line(cli("generate", "--checkpoint", bad_tok, "--prefix", "1 2"))
+
+
+def test_a_file_size_limit_is_one_line_and_resumable(tmp_path):
+    d = tmp_path / "u"
+    train(tiny(d), stop_at=3)
+    code = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            f"from bst_fast.__main__ import main; sys.exit(main(['train', '--config', {str(TINY)!r}, "
+            f"'--set', 'out_dir={d}', '--resume']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = one_error_line(proc)
+    assert "step-00000003 is intact" in line
+    train(tiny(d), resume=True)
+    assert latest_checkpoint(d).name == "step-00000006"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        one_error_line(cli("train", "--config", TINY, "--set", f"out_dir={ro / 'run'}"))
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize("damage", ["\n\n", "7\n", "garbage,row\n"])
+def test_a_damaged_metrics_file_does_not_stop_resume(tmp_path, damage):
+    d = tmp_path / "m"
+    train(tiny(d), stop_at=3)
+    with (d / "metrics.csv").open("a") as fh:
+        fh.write(damage)
+    train(tiny(d), resume=True)
+    rows = (d / "metrics.csv").read_text().splitlines()
+    assert all(len(r.split(",")) == 3 for r in rows) and rows[-1].startswith("6,")
+
+
+def test_a_finished_run_resumed_is_reported_and_exits_0(tmp_path):
+    d = tmp_path / "done"
+    first = train(tiny(d))
+    again = train(tiny(d), resume=True)
+    assert again["step"] == 6 and again["path_accuracy"] == pytest.approx(first["path_accuracy"])
+    proc = cli("train", "--config", TINY, "--set", f"out_dir={d}", "--resume")
+    assert proc.returncode == 0 and "nothing to train" in proc.stderr
+    more = train(tiny(d, steps=8), resume=True)  # extending a run still works
+    assert latest_checkpoint(d).name == "step-00000008" and "loss" in more

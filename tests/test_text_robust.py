@@ -1,0 +1,213 @@
+"""Robustness of the BPE text pipeline (issue 20): long whitespace-free runs, progress output,
+broken tokenizer.json files and bounded error messages."""
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bst_fast.data import TextData, load_ids, load_tokenizer, save_tokenizer, train_bpe
+from bst_fast.data import text as text_mod
+
+_WORDS = ("the cat dog sat on mat and ran to a big red ball with tom who said hello, then "
+          "went home; it's 42 degrees (hot!) in 2024 naïve café déjà-vu 東京 is far").split()
+
+
+def _prose(n_docs: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 15))) + "."
+                 for _ in range(rng.randint(1, 4))]
+        docs.append("\n".join(lines))
+    return "\n\n".join(docs)
+
+
+def _letters(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. long runs without whitespace
+
+
+def test_long_runs_are_cut_into_bounded_pre_tokens(tmp_path):
+    """The quadratic cost of HF's BPE trainer is in the longest pre-token: no pre-token of a
+    trained tokenizer is longer than MAX_PRETOKEN bytes, whatever the run (letters, digits,
+    punctuation, multi-byte text), and the cut survives save/load and agrees with TextData."""
+    cut = getattr(text_mod, "MAX_PRETOKEN", 1024)
+    assert 64 <= cut <= 1024
+    (tmp_path / "a.txt").write_text(_prose(20) + "\n\n" + _letters(5000))
+    tok = train_bpe(tmp_path, vocab_size=300)
+    save_tokenizer(tok, tmp_path / "tok.json")
+    again = load_tokenizer(tmp_path / "tok.json")
+    runs = [_letters(5000, 1), "7" * 3000, "=" * 3000, "東京" * 700, "x" + "é" * 1000,
+            "see https://example.com/" + _letters(2000, 2) + " here"]
+    for run in runs:
+        for t in (tok, again):
+            pieces = [p for p, _ in t.pre_tokenizer.pre_tokenize_str(run)]
+            assert max(map(len, pieces)) <= cut
+            # one character a byte: the pieces are the byte-level form of the whole run
+            assert sum(map(len, pieces)) == len(run.encode("utf-8"))
+            ids = t.encode(run, add_special_tokens=False).ids
+            assert t.decode(ids) == run          # a cut inside a UTF-8 character still decodes
+        assert again.encode(run, add_special_tokens=False).ids == tok.encode(run, add_special_tokens=False).ids
+    # TextData encodes a long run exactly as the tokenizer does (train and encode agree)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "b.txt").write_text(runs[0])
+    data = TextData(tmp_path / "b", tok, max_len=10**6, held_out=0)
+    tokens, lengths = data.batch(0, 1, 0)
+    assert tokens[0, 1:int(lengths[0]) - 1].tolist() == tok.encode(runs[0], add_special_tokens=False).ids
+
+
+def test_megabyte_without_whitespace_trains_in_seconds(tmp_path):
+    """A generous guard on the time (the original took minutes for this): run in a subprocess
+    so that a regression fails at the timeout instead of hanging the suite."""
+    (tmp_path / "blob.txt").write_text(_letters(1 << 20))
+    code = ("import sys, time; from bst_fast.data import train_bpe; t = time.perf_counter(); "
+            f"tok = train_bpe({str(tmp_path / 'blob.txt')!r}, vocab_size=1000); "
+            "print(time.perf_counter() - t, tok.get_vocab_size())")
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("train_bpe on 1 MB without whitespace took over 90 s")
+    assert run.returncode == 0, run.stderr[-2000:]
+    seconds, vocab = run.stdout.split()
+    assert float(seconds) < 30 and int(vocab) == 1000
+    assert run.stderr == ""                          # 1 MB: no progress bar
+
+
+def _reference_bpe(docs, vocab_size):
+    """train_bpe as it was before the cut: byte-level pre-tokens only."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(text_mod.SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer=trainer)
+    tok.encode_special_tokens = True
+    return tok
+
+
+@pytest.mark.parametrize("vocab_size", [300, 2000])
+def test_ordinary_text_is_tokenised_as_before(tmp_path, vocab_size):
+    """Text whose pre-tokens are all shorter than MAX_PRETOKEN (prose: words, numbers,
+    punctuation, accents, CJK) learns the same vocabulary and merges and gets the same ids as
+    the plain byte-level BPE the module used before the cut. (Passes on the old code too: it is
+    the old behaviour.)"""
+    (tmp_path / "a.txt").write_text(_prose(300, seed=1))
+    docs = list(text_mod.iter_documents(tmp_path))
+    new, old = train_bpe(tmp_path, vocab_size), _reference_bpe(docs, vocab_size)
+    assert new.get_vocab() == old.get_vocab()
+    assert json.loads(new.to_str())["model"] == json.loads(old.to_str())["model"]  # merges too
+    probe = docs + [_prose(5, seed=9), "a  b\n\n\tc   ", "<bos> x <eos>"]
+    for doc in probe:
+        assert new.encode(doc, add_special_tokens=False).ids == old.encode(doc, add_special_tokens=False).ids
+
+
+def test_progress_only_for_large_work(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.txt").write_text(_prose(50))
+    tok = train_bpe(tmp_path, 300)
+    TextData(tmp_path, tok, 32, held_out=0)
+    assert capsys.readouterr().err == ""             # small: quiet
+    monkeypatch.setattr(text_mod, "PROGRESS_BYTES", 100)
+    tok = train_bpe(tmp_path, 300)
+    TextData(tmp_path, tok, 32, held_out=0)
+    err = capsys.readouterr().err
+    assert "training the BPE tokenizer" in err and "tokenising the corpus" in err and "100%" in err
+    train_bpe(tmp_path, 300, progress=False)         # forced off
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. load_tokenizer on something that is not a bst_fast tokenizer.json
+
+
+@pytest.fixture(scope="module")
+def good_json(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    (d / "a.txt").write_text(_prose(20))
+    save_tokenizer(train_bpe(d, 300), d / "tok.json")
+    return (d / "tok.json").read_text()
+
+
+@pytest.mark.parametrize("case", ["folder", "invalid_json", "json_list", "json_not_tokenizer",
+                                  "broken_tokenizer", "binary", "no_specials", "empty"])
+def test_load_tokenizer_rejects_what_is_not_a_tokenizer(tmp_path, good_json, case):
+    path = tmp_path / "tokenizer.json"
+    if case == "folder":
+        path.mkdir()
+    elif case == "invalid_json":
+        path.write_text(good_json[: len(good_json) // 2])
+    elif case == "json_list":
+        path.write_text("[1, 2, 3]")
+    elif case == "json_not_tokenizer":
+        path.write_text(json.dumps({"steps": 10, "lr": 3e-4}))
+    elif case == "broken_tokenizer":
+        obj = json.loads(good_json)
+        obj["model"] = {"type": "BPE", "vocab": "not a vocabulary"}
+        path.write_text(json.dumps(obj))
+    elif case == "binary":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    elif case == "empty":
+        path.write_text("")
+    else:  # a valid tokenizer without bst_fast's specials
+        obj = json.loads(good_json)
+        obj["added_tokens"] = []
+        obj["model"]["vocab"] = {t: i for t, i in obj["model"]["vocab"].items() if t not in ("<pad>", "<eos>")}
+        path.write_text(json.dumps(obj))
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(path)
+    msg = str(info.value)
+    assert str(path) in msg and "expected a tokenizer.json written by bst_fast" in msg
+    assert len(msg) < 1000
+    what = {"folder": "is a folder", "invalid_json": "not valid JSON", "json_list": "not a tokenizer",
+            "json_not_tokenizer": "not a tokenizer", "broken_tokenizer": "not a HF tokenizers JSON",
+            "binary": "not UTF-8", "no_specials": "has no <pad>, <eos> tokens", "empty": "not valid JSON"}
+    assert what[case] in msg
+
+
+def test_load_tokenizer_missing_file_and_good_file(tmp_path, good_json):
+    with pytest.raises(FileNotFoundError, match="nothing-here.json"):
+        load_tokenizer(tmp_path / "nothing-here.json")
+    (tmp_path / "tok.json").write_text(good_json)
+    tok = load_tokenizer(tmp_path / "tok.json")
+    assert [tok.token_to_id(t) for t in text_mod.SPECIAL_TOKENS] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. error messages quote user values in at most a few hundred characters
+
+
+def test_error_messages_are_bounded(tmp_path, good_json):
+    huge = "x" * 1_000_000
+    (tmp_path / "a.txt").write_text(_prose(20))
+    (tmp_path / "tok.json").write_text(good_json)
+    tok = load_tokenizer(tmp_path / "tok.json")
+    data = TextData(tmp_path, tok, 16, held_out=0)
+    calls = [
+        lambda: TextData(tmp_path, tok, huge),
+        lambda: TextData(tmp_path, tok, 16, held_out=huge),
+        lambda: TextData(tmp_path, tok, 16, seed=[0] * 100_000),
+        lambda: TextData(tmp_path, tok, 16, held_out=10 ** 4000),
+        lambda: TextData.from_ids([[1, 2, 99]], vocab_size=huge),
+        lambda: TextData.from_ids([[1, 2, 99]], vocab_size=10, source_name=huge),
+        lambda: TextData.from_ids([[1, 2, 3]], vocab_size=10, pad_id=10 ** 1000),
+        lambda: TextData.from_ids([[1, 2, 3]], vocab_size=2 ** 40),
+        lambda: train_bpe(tmp_path, vocab_size=huge),
+        lambda: train_bpe(tmp_path / ("d" * 100_000)),
+        lambda: train_bpe(tmp_path / ("d/" * 50_000)),
+        lambda: load_tokenizer(tmp_path / ("t" * 100_000)),
+        lambda: load_ids(tmp_path / ("i" * 100_000 + ".npy")),
+        lambda: data.batch(huge, 2, 0),
+        lambda: list(data.held_out_batches(huge)),
+    ]
+    for k, call in enumerate(calls):
+        with pytest.raises((ValueError, FileNotFoundError)) as info:
+            call()
+        assert len(str(info.value)) < 500, (k, str(info.value)[:300])
