@@ -24,6 +24,7 @@ from .config import TrainConfig
 from .files import atomic_write, disk_full, fsync, sha256, temporary_name
 
 CHECKSUMS = "checksums.json"
+BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
 WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
 STEP_NAME = re.compile(r"step-(\d{8,})")  # what `latest` may name: a checkpoint in checkpoints/
 
@@ -56,11 +57,13 @@ def non_finite(tensors: Dict[str, torch.Tensor]) -> List[str]:
 
 
 def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int, log=None,
-                    task=None) -> Path:
+                    task=None, best: Optional[dict] = None) -> Path:
     """out_dir/checkpoints/step-N, then `latest` names it, then older checkpoints beyond `keep` are
     pruned. `log`: the logging interval still open at `step` (each rank's loss sum and the steps in
     it), when the run stops between two logged steps; `task`: writes its files (a text run's
-    tokenizer) into the checkpoint.
+    tokenizer) into the checkpoint. `best`: {"metric", "value", "step"} saves the run's best
+    checkpoint instead, checkpoints/best (best.json records the figure), which `latest` never names
+    and pruning never touches.
 
     Non-finite weights are refused (ValueError) before anything is written. A failed write (a full
     disk) removes the partial folder and raises CheckpointWriteError; `latest` still names the
@@ -72,7 +75,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     if bad:
         raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
     root = Path(out_dir) / "checkpoints"
-    final = root / f"step-{step:08d}"
+    final = root / (BEST if best else f"step-{step:08d}")
     tmp = temporary_name(final)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -84,21 +87,44 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
         if task is not None:
             task.save(tmp)
+        if best:
+            (tmp / BEST_JSON).write_text(json.dumps(best, indent=1))
         # hashed by reading back what was just written (the page cache: no disk read)
         sums = {path.name: sha256(path) for path in tmp.iterdir()}
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
         for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
             fsync(path)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_write(root / "latest", lambda p: p.write_text(final.name))
+        if best:  # the old best goes only once the new one is complete
+            old = temporary_name(root / "best-old")
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            atomic_write(root / "latest", lambda p: p.write_text(final.name))
         fsync(root)
     except Exception as e:  # torch.save and safetensors report a short write as their own errors
         full = disk_full(e) or _out_of_room(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(root, step, e, full)) from e
-    prune(root, final, keep)
+    if not best:
+        prune(root, final, keep)
     return final
+
+
+def best_so_far(out_dir, metric: str, step: int) -> Optional[float]:
+    """The figure of out_dir's best checkpoint for `metric`, when it was saved at or before `step`
+    (a later one belongs to a trajectory that a resume from `step` replaces)."""
+    path = Path(out_dir) / "checkpoints" / BEST / BEST_JSON
+    try:
+        saved = json.loads(path.read_text())
+        if saved["metric"] == metric and int(saved["step"]) <= step:
+            return float(saved["value"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def _out_of_room(root: Path, tmp: Path) -> bool:

@@ -68,9 +68,14 @@ class TrainConfig:
     next_weight: float = 0.5  # lambda: Next vs Prev weight of the belief loss
     gamma: float = 0.0  # weight of the plain next-token head on f (adds that head when > 0)
     backend: str = "auto"  # belief_state_loss backend
+    min_gap: int = 2  # smallest j - i of a pair; 1 adds the adjacent ("meeting") pairs, labelled meet_token
+    max_gap: Optional[int] = None  # largest j - i, inclusive (None: no bound); the official max_gap G is our G - 1
+    meet_token: Optional[Union[int, str]] = None  # the gap-1 pairs' label: "eos" or an id (min_gap 1 needs it)
+    reduction: str = "mean"  # "mean" over all pairs of the batch, or "row_mean" (each row's mean, then the mean over rows)
     # --- optimisation ---
     steps: int = 2000  # optimizer steps
     batch_size: int = 64  # global batch (split over DDP ranks)
+    grad_accum: int = 1  # micro-batches a rank's share is split into (their gradients add up to the batch's)
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # end of the cosine decay
     warmup: int = 100  # linear warmup steps
@@ -86,6 +91,7 @@ class TrainConfig:
     eval_every: int = 250  # steps between evaluations (and at the end)
     ckpt_every: int = 500  # steps between checkpoints (and at the end); 0: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
+    keep_best: str = ""  # also keep the best checkpoint by this evaluation figure: "held_out_loss" or "path_accuracy"
     log_every: int = 10  # steps between progress-bar / CSV updates
     progress: bool = True  # tqdm progress bar
 
@@ -133,7 +139,7 @@ class TrainConfig:
             bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
         if not 0.0 <= self.augment_prob <= 1.0:
             bad("augment_prob", "in [0, 1]")
-        for name in ("steps", "batch_size", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
+        for name in ("steps", "batch_size", "grad_accum", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
         if self.data != "star" and self.text_vocab < 259:
@@ -147,6 +153,23 @@ class TrainConfig:
                 bad(name, ">= 0")
         if self.pairs is not None and not 0.0 < self.pairs <= 1.0:
             bad("pairs", "None or a fraction in (0, 1]")
+        if self.min_gap < 1:
+            bad("min_gap", ">= 1")
+        if self.max_gap is not None and self.max_gap < self.min_gap:
+            bad("max_gap", f"None or >= min_gap ({self.min_gap})")
+        if isinstance(self.meet_token, str) and self.meet_token != "eos":
+            bad("meet_token", "None, 'eos' or a token id")
+        if isinstance(self.meet_token, int) and self.meet_token < 0:
+            bad("meet_token", "a token id >= 0")
+        if self.min_gap == 1 and self.meet_token is None:
+            bad("meet_token", "'eos' or a token id when min_gap is 1 (the adjacent pairs' label: "
+                "nothing lies between their prefix and suffix)")
+        if self.keep_best not in ("", "held_out_loss", "path_accuracy"):
+            bad("keep_best", "'', 'held_out_loss' or 'path_accuracy'")
+        if self.keep_best and (self.keep_best == "path_accuracy") != (self.data == "star"):
+            bad("keep_best", f"the figure this data's evaluation gives ({'path_accuracy' if self.data == 'star' else 'held_out_loss'})")
+        if self.reduction not in ("mean", "row_mean"):
+            bad("reduction", "'mean' or 'row_mean'")
         if not 0.0 <= self.next_weight <= 1.0:
             bad("next_weight", "in [0, 1]")
         if not 0.0 <= self.gamma <= 1.0:
@@ -222,6 +245,12 @@ def _from_dict(cls, d, prefix):
                 ok = all(isinstance(v, int) for v in value)
             if not ok:
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
+        elif key == "max_gap" and value is not None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"config field {short(name)} must be None or an int, got {short(value)}")
+        elif key == "meet_token" and value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(f"config field {short(name)} must be None, 'eos' or a token id, got {short(value)}")
         elif key == "pairs" and value is not None:
             if isinstance(value, str):  # 5e-1 (YAML 1.1 text), as for the float fields above
                 try:
@@ -270,7 +299,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
 # the schedule's length, but extending a run is a deliberate choice).
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
-RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "log_every",
+RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
                      "progress", "device", "compile", "out_dir", "backend")
 
 

@@ -222,9 +222,14 @@ class BeliefStateTransformer(nn.Module):
         return out[..., :V], out[..., V:]
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, pairs=None, next_weight=0.5, gamma=0.0,
-                generator=None, pair_total=None, token_total=None, backend="auto"):
-        """Losses of a batch: dict(total, belief, gpt). pair_total / token_total replace the batch's own
-        pair and token counts as the mean's divisor (set by the trainer so that ranks average exactly)."""
+                generator=None, pair_total=None, token_total=None, backend="auto", min_gap=2, max_gap=None,
+                meet_token=None, reduction="mean", row_total=None):
+        """Losses of a batch: dict(total, belief, gpt). The belief loss's options (pairs, min_gap,
+        max_gap, meet_token, next_weight, reduction "mean" or "row_mean") are belief_state_loss's.
+        pair_total / token_total / row_total replace the batch's own pair, token and row counts as
+        the mean's divisor (set by the trainer, so that ranks and micro-batches average exactly)."""
+        if reduction not in ("mean", "row_mean"):
+            raise ValueError(f"reduction must be 'mean' or 'row_mean' for a model's loss, got {reduction!r}")
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:
@@ -234,13 +239,15 @@ class BeliefStateTransformer(nn.Module):
         with record_function("encoders"):
             f = self.prefix_states(tokens)
             b = self._suffix_states(tokens, lengths)
-        red = "mean" if pair_total is None else "sum"
+        red = "sum" if reduction == "mean" and pair_total is not None else reduction
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
-                                       pairs=pairs, next_weight=next_weight, reduction=red,
-                                       generator=generator, backend=backend)
-        if pair_total is not None:
+                                       min_gap=min_gap, max_gap=max_gap, meet_token=meet_token, pairs=pairs,
+                                       next_weight=next_weight, reduction=red, generator=generator, backend=backend)
+        if red == "sum":
             belief = belief / pair_total
+        elif reduction == "row_mean" and row_total is not None:  # this batch's mean of row means, re-weighed
+            belief = belief * (tokens.shape[0] / row_total)
         out = {"belief": belief, "gpt": None, "total": belief}
         if self.gpt is not None and gamma > 0:
             out["gpt"] = next_token_loss(self.gpt, f, tokens, lengths, prefix_start, token_total)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ._checks import short
-from .checkpoint import checkpoint_step, latest_checkpoint, remove_stale
+from .checkpoint import BEST, checkpoint_step, latest_checkpoint, remove_stale
 from .files import atomic_write
 
 MARKER, LOCK = ".bst_fast_run.json", ".bst_fast.lock"
@@ -130,7 +130,8 @@ class RunFolder:
         ckpts = out / "checkpoints"
         if ckpts.is_dir() and not ckpts.is_symlink():
             for path in ckpts.iterdir():
-                ours = (checkpoint_step(path) is not None and path.is_dir() and not path.is_symlink()) or \
+                ours = ((checkpoint_step(path) is not None or path.name == BEST) and path.is_dir()
+                        and not path.is_symlink()) or \
                     path.name == "latest" or (path.name.startswith(".") and path.name.endswith(".tmp"))
                 if ours:
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()

@@ -25,21 +25,39 @@ TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its fol
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The loss's settings (docs/contract.md §4-§5): what `model.forward` takes besides the batch."""
+    """The loss's settings (docs/contract.md §2-§5, §8, §9): what `model.forward` takes besides the
+    batch, and the pair count a batch's mean divides by."""
 
     pairs: Optional[float]
     next_weight: float
     gamma: float
     backend: str
+    min_gap: int = 2
+    max_gap: Optional[int] = None
+    meet_token: Optional[int] = None
+    reduction: str = "mean"
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "Objective":
-        return cls(pairs=cfg.pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend)
+    def from_config(cls, cfg: TrainConfig, eos_id: Optional[int] = None) -> "Objective":
+        """The config's objective; meet_token "eos" becomes the data's EOS id (`eos_id`)."""
+        meet = cfg.meet_token
+        if meet == "eos":
+            if eos_id is None:
+                raise ValueError("config field 'meet_token' is 'eos', but the data has no EOS id")
+            meet = eos_id
+        return cls(pairs=cfg.pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
+                   min_gap=cfg.min_gap, max_gap=cfg.max_gap, meet_token=meet, reduction=cfg.reduction)
 
-    def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total):
+    def totals(self, lengths, start_pos, L):
+        """(pairs, next-token targets) of rows of `lengths` (at most L) with starts `start_pos`: the
+        counts a mean over a batch split across ranks or micro-batches divides by."""
+        pairs = pair_counts(lengths, start_pos, self.min_gap, L if self.max_gap is None else self.max_gap, L)
+        return pairs.sum().item(), ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
+
+    def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total):
         """model(batch) with these settings: {"total", "belief", "gpt"} as the models return."""
         return model(tokens, lengths, prefix_start=prefix_start, generator=generator, pair_total=pair_total,
-                     token_total=token_total, **dataclasses.asdict(self))
+                     token_total=token_total, row_total=row_total, **dataclasses.asdict(self))
 
 
 class StarTask:
@@ -53,7 +71,7 @@ class StarTask:
                                   n_train=cfg.n_train, n_test=cfg.n_test, seed=cfg.seed)
         self.stream = None if cfg.n_train else StarGraphStream(
             cfg.star_degree, cfg.star_path_len, cfg.star_nodes, seed=cfg.seed, exclude=self.data)
-        self.vocab_size, self.max_len = self.tok.vocab_size, self.data.row_length
+        self.vocab_size, self.max_len, self.eos_id = self.tok.vocab_size, self.data.row_length, self.tok.eos_id
         self.prefix_start = self.data.prefix_start
         self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
         l = self.data.path_len
@@ -122,13 +140,6 @@ class StarTask:
         return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
 
 
-def batch_totals(lengths, start_pos, L):
-    """(pairs, next-token targets) of rows of `lengths` (at most L): the counts the losses are
-    normalised by."""
-    pairs = pair_counts(lengths, start_pos, 2, L, L).sum().item()
-    return pairs, ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
-
-
 class TextTask:
     """BPE-tokenised text batches and held-out loss."""
 
@@ -148,7 +159,8 @@ class TextTask:
             self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
         self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress)
         self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
-        self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg)
+        self.eos_id = self.data.eos_id
+        self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
         # The config holds the corpus's path only: a resumed run must also find the same corpus
         # there, or its split (and so every batch and the held-out loss) would silently change.
         if resume:
@@ -182,14 +194,14 @@ class TextTask:
             return {}
         # Every batch is normalised by the whole held-out set's pair and token counts, so the
         # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
-        pair_total, token_total = batch_totals(held, torch.zeros_like(held), int(held.max()))
+        pair_total, token_total = self.objective.totals(held, torch.zeros_like(held), int(held.max()))
         was = model.training
         model.eval()
         loss = 0.0
         for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.batch_size)):
             out = self.objective(model, tokens.to(device), lengths.to(device), prefix_start=0,
                                  generator=torch.Generator().manual_seed(k), pair_total=pair_total,
-                                 token_total=token_total)
+                                 token_total=token_total, row_total=len(held))
             loss += float(out["total"])
         model.train(was)
         return {"held_out_loss": loss}

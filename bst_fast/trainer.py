@@ -14,23 +14,24 @@ checkpoint.py and the run folder in run_folder.py. This module is named `trainer
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
-from .checkpoint import latest_checkpoint, load_checkpoint, read_config, save_checkpoint
+from .checkpoint import best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import Objective, batch_totals, build_model, build_task, model_config
+from .tasks import Objective, build_model, build_task, model_config
 
 
 class TrainingStopped(RuntimeError):
@@ -80,6 +81,28 @@ def _check_resumable(ckpt: Path, cfg: TrainConfig):
         raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
 
 
+class Batch(NamedTuple):
+    """One rank's rows of a step and the counts of the whole step's batch (per rank) that its
+    losses divide by, so ranks and micro-batches add up to the mean over the global batch."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prefix_start: Union[int, torch.Tensor]
+    pair_total: float
+    token_total: float
+    row_total: float
+
+    def split(self, n: int) -> List["Batch"]:
+        """`n` micro-batches of consecutive rows, each keeping the whole batch's totals."""
+        size = len(self.tokens) // n
+        parts = []
+        for k in range(n):
+            rows = slice(k * size, (k + 1) * size)
+            start = self.prefix_start if isinstance(self.prefix_start, int) else self.prefix_start[rows]
+            parts.append(self._replace(tokens=self.tokens[rows], lengths=self.lengths[rows], prefix_start=start))
+        return parts
+
+
 @dataclasses.dataclass
 class Run:
     """What the steps of one training call share."""
@@ -98,6 +121,7 @@ class Run:
     metrics: Optional[MetricsLog] = None
     bar: Any = None
     last_good: Optional[Path] = None
+    best: Optional[float] = None  # the best evaluation figure so far (keep_best)
     result: Dict[str, float] = dataclasses.field(default_factory=dict)
     # the open logging interval: loss sum and steps, and the rates' counts since it opened
     loss_sum: Optional[torch.Tensor] = None
@@ -107,16 +131,16 @@ class Run:
     pairs_seen: float = 0.0
     n_timed: int = 0
 
-    def batch(self, step: int):
+    def batch(self, step: int) -> "Batch":
         """Step `step`'s rows for this rank and the global counts the loss is normalised by."""
         tokens, lengths, row_start = self.task.batch(step, self.cfg.batch_size)  # the global batch, (B, L)
         start_pos = torch.full_like(lengths, self.task.prefix_start) if row_start is None else row_start
-        pair_total, token_total = (n / self.world for n in batch_totals(lengths, start_pos, tokens.shape[1]))
+        pair_total, token_total = (n / self.world for n in self.objective.totals(lengths, start_pos, tokens.shape[1]))
         r, w = self.rank, self.world
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = self.task.prefix_start if row_start is None else row_start[r::w].to(self.device)
-        return (tokens[r::w].to(self.device), lengths[r::w].to(self.device), prefix_start,
-                float(pair_total), float(token_total))
+        return Batch(tokens[r::w].to(self.device), lengths[r::w].to(self.device), prefix_start,
+                     float(pair_total), float(token_total), len(tokens) / w)
 
     def close(self):
         if self.bar is not None:
@@ -128,28 +152,36 @@ class Run:
 
 
 def train_step(run: Run, step: int) -> torch.Tensor:
-    """One optimizer step of `run` at 0-based `step`: forward and loss under the trainer's autocast,
-    backward, clipping, AdamW and the schedule. Returns the loss (a 0-dim tensor, not synced)."""
+    """One optimizer step of `run` at 0-based `step`: forward and loss under the trainer's autocast
+    and backward for each of cfg.grad_accum micro-batches (their losses and gradients add up to the
+    whole batch's), clipping, AdamW and the schedule. Returns the loss (a 0-dim tensor, not synced)."""
     cfg = run.cfg
     # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
     torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + run.rank)
-    tokens, lengths, prefix_start, pair_total, token_total = run.batch(step)
-    # The phases are named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
-    with record_function("forward"), autocast_for(run.device):
-        out = run.objective(run.net, tokens, lengths, prefix_start=prefix_start,
-                            generator=torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + run.rank),
-                            pair_total=pair_total, token_total=token_total)
-    loss = out["total"]
+    batch = run.batch(step)
     run.optimizer.zero_grad(set_to_none=True)
-    with record_function("backward"):
-        loss.backward()
+    loss = torch.zeros((), device=run.device)
+    parts = batch.split(cfg.grad_accum)
+    for k, part in enumerate(parts):
+        # DDP averages the gradients once, at the step's last micro-batch.
+        sync = run.world == 1 or k == len(parts) - 1
+        with contextlib.nullcontext() if sync else run.net.no_sync():
+            # The phases are named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
+            with record_function("forward"), autocast_for(run.device):
+                seed = cfg.seed * 7919 + step * 31 + run.rank + k * 1_000_000_007
+                out = run.objective(run.net, part.tokens, part.lengths, prefix_start=part.prefix_start,
+                                    generator=torch.Generator().manual_seed(seed), pair_total=part.pair_total,
+                                    token_total=part.token_total, row_total=part.row_total)
+            with record_function("backward"):
+                out["total"].backward()
+        loss += out["total"].detach().float()
     with record_function("optimizer"):
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
         run.optimizer.step()
         run.scheduler.step()
-    run.tokens_seen += int(tokens.numel())
-    run.pairs_seen += pair_total * (cfg.pairs or 1.0) if cfg.method == "bst" else 0
+    run.tokens_seen += int(batch.tokens.numel())
+    run.pairs_seen += batch.pair_total * (cfg.pairs or 1.0) if cfg.method == "bst" else 0
     return loss
 
 
@@ -166,8 +198,9 @@ def _device(cfg: TrainConfig, world: int) -> str:
             raise ValueError("config field 'device' is 'cuda', but this torch sees no CUDA device "
                              f"(torch {torch.__version__}); use 'auto' or 'cpu'")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if cfg.batch_size % world:
-        raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world})")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world}) "
+                         f"times grad_accum ({cfg.grad_accum})")
     return device
 
 
@@ -182,7 +215,8 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
         _check_resumable(resume_from, cfg)
     model = build_model(cfg).to(device)
     optimizer, scheduler = build_optimizer(model, cfg)
-    return Run(cfg, task, model, model, optimizer, scheduler, Objective.from_config(cfg), device, world, rank)
+    objective = Objective.from_config(cfg, task.eos_id)
+    return Run(cfg, task, model, model, optimizer, scheduler, objective, device, world, rank)
 
 
 def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bool):
@@ -207,10 +241,10 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
               f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
         return {"step": float(start), **logged_at(Path(cfg.out_dir), start)}
     with torch.no_grad():  # the backend takes this head on this device, and the data gives a batch
-        tokens, lengths, prefix_start, pair_total, token_total = run.batch(start)
+        part = run.batch(start).split(cfg.grad_accum)[0]
         with autocast_for(device):
-            run.objective(model, tokens, lengths, prefix_start=prefix_start, generator=torch.Generator(),
-                          pair_total=pair_total, token_total=token_total)
+            run.objective(model, part.tokens, part.lengths, prefix_start=part.prefix_start, generator=torch.Generator(),
+                          pair_total=part.pair_total, token_total=part.token_total, row_total=part.row_total)
     if rank == 0:
         folder.claim()
         try:
@@ -242,6 +276,7 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
 
         run.bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
     run.last_good = latest_checkpoint(cfg.out_dir) if rank == 0 else None
+    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start) if cfg.keep_best else None
     # An interval a stop_at left open comes back from the checkpoint, so the row that closes it is
     # the uninterrupted run's.
     run.loss_sum, open_log = torch.zeros((), device=device), state.get("log")
@@ -253,6 +288,18 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
             run.loss_sum.fill_(sum(sums) * world / len(sums))
     run.t0 = time.perf_counter()
     return run, start, end
+
+
+def _keep_best(run: Run, done: int, row: Dict[str, float]):
+    """Saves checkpoints/best when this evaluation's figure (cfg.keep_best) beats the best so far."""
+    metric = run.cfg.keep_best
+    if not metric or metric not in row:
+        return
+    value, lower = row[metric], metric.endswith("loss")
+    if run.best is None or (value < run.best if lower else value > run.best):
+        save_checkpoint(run.cfg.out_dir, done, run.model, run.optimizer, run.scheduler, run.cfg, 0,
+                        task=run.task, best={"metric": metric, "value": value, "step": done})
+        run.best = value
 
 
 def _close_interval(run: Run, done: int, end: int, lr: float):
@@ -279,6 +326,7 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
                "pairs_per_s": run.pairs_seen * run.world / dt, "steps_per_s": run.n_timed / dt}
         if eval_now and run.rank == 0:
             row.update(run.task.evaluate(run.model, run.device))
+            _keep_best(run, done, row)
         run.result.update(row)
         if run.bar is not None:
             run.bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k != "lr"}, refresh=False)

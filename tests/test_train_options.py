@@ -1,0 +1,141 @@
+"""The trainer's objective options (min_gap/meet_token, row_mean), gradient accumulation and the
+best checkpoint: each equals its definition, and resume stays exact."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bst_fast import belief_state_loss, load_model, train
+from bst_fast.checkpoint import latest_checkpoint
+from bst_fast.config import resolve_config
+from bst_fast.tasks import Objective, build_task
+from bst_fast.trainer import build_run, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+
+
+def tiny(out_dir, **changes):
+    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+
+
+def corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    words = "the cat sat on a mat and ran to see the dog who barked at it".split()
+    path.write_text("\n\n".join(" ".join(words[: 3 + (k * 7) % 13]) for k in range(50)))
+    return path
+
+
+def text(tmp_path, **changes):
+    return tiny(tmp_path / "run", data=str(corpus(tmp_path)), text_vocab=270, max_len=24, **changes)
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"min_gap": 1}, "meet_token"),
+    ({"min_gap": 0}, "min_gap"),
+    ({"meet_token": "bos"}, "meet_token"),
+    ({"meet_token": -1}, "meet_token"),
+    ({"meet_token": True}, "meet_token"),
+    ({"reduction": "sum"}, "reduction"),
+    ({"max_gap": 1}, "max_gap"),
+    ({"max_gap": 2.5}, "max_gap"),
+    ({"grad_accum": 0}, "grad_accum"),
+    ({"keep_best": "held_out_loss"}, "keep_best"),  # star data scores path accuracy
+])
+def test_bad_objective_fields_name_the_field(tmp_path, changes, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        tiny(tmp_path, **changes).check()
+
+
+def test_meet_token_eos_is_the_datas_eos_and_reaches_the_loss(tmp_path):
+    cfg = text(tmp_path, min_gap=1, meet_token="eos", max_gap=6)
+    run = build_run(cfg.check(), "cpu")
+    assert run.objective.meet_token == run.task.eos_id and run.objective.max_gap == 6
+    # The trained loss is the belief loss with these options over the step's batch.
+    batch = run.batch(0)
+    model = run.model.eval()
+    out = run.objective(model, batch.tokens, batch.lengths, prefix_start=0, generator=torch.Generator(),
+                        pair_total=batch.pair_total, token_total=batch.token_total, row_total=batch.row_total)
+    f, b = model.prefix_states(batch.tokens), model.suffix_states(batch.tokens, batch.lengths)
+    want = belief_state_loss(f, b, batch.tokens, model.head, lengths=batch.lengths, min_gap=1, max_gap=6,
+                             meet_token=run.task.eos_id, backend="reference")
+    assert torch.allclose(out["total"], want, rtol=1e-5)
+    # The pair count the mean divides by includes the adjacent pairs.
+    n = sum(min(int(l) - 1 - i, 6) for l in batch.lengths for i in range(int(l) - 1))
+    assert batch.pair_total == n
+
+
+def test_row_mean_is_the_mean_of_row_means_over_batches_and_ranks(tmp_path):
+    run = build_run(text(tmp_path, reduction="row_mean").check(), "cpu")
+    batch = run.batch(0)
+    model = run.model.eval()
+    f, b = model.prefix_states(batch.tokens), model.suffix_states(batch.tokens, batch.lengths)
+    want = belief_state_loss(f, b, batch.tokens, model.head, lengths=batch.lengths, reduction="row_mean",
+                             backend="reference")
+    got = sum(float(run.objective(model, p.tokens, p.lengths, prefix_start=0, generator=torch.Generator(),
+                                  pair_total=p.pair_total, token_total=p.token_total, row_total=p.row_total)["total"])
+              for p in batch.split(4))
+    assert got == pytest.approx(float(want), rel=1e-5)
+    # held-out: the mean over every held-out row whatever the evaluation's batch size
+    figures = []
+    for size in (1, 5, 64):
+        task = build_task(text(tmp_path, reduction="row_mean", batch_size=size))
+        figures.append(task.evaluate(model, "cpu")["held_out_loss"])
+    assert max(figures) - min(figures) < 1e-5 * figures[0]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "row_mean"])
+def test_grad_accum_gives_the_big_batchs_weights(tmp_path, reduction):
+    """All pairs and no dropout: micro-batches sum to the batch's loss and gradient, so AdamW's
+    steps match to float32 rounding."""
+    runs = []
+    for accum in (1, 4):
+        cfg = text(tmp_path, reduction=reduction, grad_accum=accum, batch_size=8, **{"model.dropout": 0.0}).check()
+        run = build_run(cfg, "cpu")
+        losses = [float(train_step(run, step)) for step in range(3)]
+        runs.append((losses, params(run.model)))
+    (l1, p1), (l4, p4) = runs
+    assert l1 == pytest.approx(l4, rel=1e-5)
+    assert all(torch.allclose(p1[k], p4[k], atol=1e-6, rtol=1e-5) for k in p1)
+    assert any(not torch.equal(p1[k], build_run(text(tmp_path).check(), "cpu").model.state_dict()[k]) for k in p1)
+
+
+def test_grad_accum_resume_is_bitwise_exact(tmp_path):
+    opts = dict(grad_accum=2, pairs=0.5, steps=6, ckpt_every=0, **{"model.dropout": 0.1})
+    train(tiny(tmp_path / "full", **opts))
+    train(tiny(tmp_path / "cut", **opts), stop_at=3)
+    train(tiny(tmp_path / "cut", **opts), resume=True)
+    a, _ = load_model(tmp_path / "full")
+    b, _ = load_model(tmp_path / "cut")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monkeypatch):
+    from bst_fast import tasks
+
+    figures = iter([0.2, 0.6, 0.4, 0.5, 0.9] + [0.0] * 9)
+    monkeypatch.setattr(tasks.StarTask, "evaluate", lambda self, model, device: {"path_accuracy": next(figures)})
+    d = tmp_path / "b"
+    opts = dict(steps=10, eval_every=2, ckpt_every=2, keep_checkpoints=1, keep_best="path_accuracy")
+    train(tiny(d, **opts), stop_at=6)
+    best = json.loads((d / "checkpoints" / "best" / "best.json").read_text())
+    assert best == {"metric": "path_accuracy", "value": 0.6, "step": 4}
+    model, cfg = load_model(d / "checkpoints" / "best")  # a complete, verified checkpoint
+    assert latest_checkpoint(d).name == "step-00000006"
+    train(tiny(d, **opts), resume=True)  # 0.5 at step 8 does not beat 0.6; 0.9 at step 10 does
+    best = json.loads((d / "checkpoints" / "best" / "best.json").read_text())
+    assert best["step"] == 10 and best["value"] == 0.9
+    train(tiny(d, seed=3, steps=2, eval_every=2, ckpt_every=2), overwrite=True)  # a new run: the old best goes
+    assert not (d / "checkpoints" / "best").exists()
+
+
+def test_objective_from_config_needs_an_eos_for_eos():
+    cfg = resolve_config(TINY, min_gap=1, meet_token="eos")
+    with pytest.raises(ValueError, match="meet_token"):
+        Objective.from_config(cfg)
+    assert Objective.from_config(cfg, eos_id=5).meet_token == 5
