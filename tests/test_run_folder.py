@@ -404,3 +404,33 @@ def test_a_finished_run_resumed_is_reported_and_exits_0(tmp_path):
     assert proc.returncode == 0 and "nothing to train" in proc.stderr
     more = train(tiny(d, steps=8), resume=True)  # extending a run still works
     assert latest_checkpoint(d).name == "step-00000008" and "loss" in more
+
+
+def test_sigkill_mid_run_resumes_bitwise_and_frees_the_lock(tmp_path, one_thread):
+    """A run killed with SIGKILL at a random moment after its first checkpoint: the kernel frees the
+    lock, no temporary folder survives the next start, and resume ends on the uninterrupted run's
+    exact weights (every part on one thread, as the killed process ran)."""
+    import random
+    import signal
+
+    opts = dict(steps=40, ckpt_every=3, keep_checkpoints=2, eval_every=0, log_every=2, pairs=0.5,
+                **{"model.dropout": 0.1})
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(tiny(full, **opts))
+    sets = [a for k, v in opts.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.Popen([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set",
+                             f"out_dir={cut}", *sets], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (cut / "checkpoints" / "latest").exists():
+        time.sleep(0.02)
+    time.sleep(random.uniform(0, 0.3))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = latest_checkpoint(cut)
+    assert done is not None
+    train(tiny(cut, **opts), resume=True)  # the dead process's lock does not block this
+    assert not [p for p in (cut / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    a, _ = load_model(full)
+    b, _ = load_model(cut)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
