@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# One GPU run: build, check the backends against float64, time them against the naive
-# materialised objective at the GPU issues' shapes, time a training step, then the cuda-marked
-# tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU. Steps are
-# ordered by what matters most, each under its own timeout (their sum: 24 min, QUICK=1 20; a
-# step usually takes well under its limit).
+# One GPU run: build the C++ extension (the package imports it), the paper's Table 3 with the
+# project's trainer (bench/paper_speed.py), then time the backends against the naive materialised
+# objective at the GPU issues' shapes, check them against float64, profile training steps and run
+# the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU
+# (paper_speed's table in <results>/<card slug>/paper_speed.{json,md}). Steps are ordered by what
+# matters most, each under its own timeout, and the whole run keeps to BUDGET seconds (default 570:
+# one 10-minute device call): a step's timeout is cut to what is left, and a step with under 30 s
+# left is skipped and named at the end (the build's and the steps' timeouts add up to about 32 min,
+# QUICK=1 28: a default run gets through the build, paper, check and a few more; name others with
+# STEPS, or raise BUDGET where there is time).
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
 #   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests
 #   STEPS="heads heads-variants check" bash bench/gpu.sh   # only the named steps (the names below)
+#   BUDGET=1500 bash bench/gpu.sh                          # a longer run: every step
 #
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="heads heads-512mb profile-swiglu heads-variants check" timeout 560 bash bench/gpu.sh
+#       STEPS="paper check heads profile-swiglu" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b check profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper check heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -27,12 +33,19 @@ name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ',
     echo "bench/gpu.sh: no CUDA device visible to torch" >&2; exit 1; }
 out=${RESULTS_DIR:-bench/results}
 quick=${QUICK:-0}
+budget=${BUDGET:-570}
 mkdir -p "$out"
 status=0
+skipped=""
 step() {  # step <seconds> <log name> <command...>
     local t=$1 log=$2; shift 2
     [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $log "* ]] && return 0
-    echo "== $name: $log"
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt 30 ]; then
+        echo "!! $log skipped: ${left}s of the ${budget}s budget left"; skipped="$skipped $log"; return 0
+    fi
+    [ "$t" -gt "$left" ] && t=$left
+    echo "== $name: $log (timeout ${t}s)"
     timeout "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
     if [ -n "${ARCHIVE:-}" ]; then  # written whole, then renamed: a kill never leaves half an archive
         # without the profiler's traces: a file over the device tool's 16 MiB would not come back
@@ -40,10 +53,19 @@ step() {  # step <seconds> <log name> <command...>
     fi
 }
 
-# The C++ extension (the subsampler, needed only by sampled pairs: the check step's pairs=0.3
-# cases and the subsample rows) builds in the background at the lowest priority on 4 cores, so
-# that the host-bound timings running meanwhile keep their cores.
-(MAX_JOBS=4 timeout 150 nice -n 19 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1) & build=$!
+# The C++ extension first, on every core: bst_fast imports it (the pair sampler and the CPU
+# engine), so no step runs without it. Incremental: quick where it is built already.
+echo "== $name: build"
+MAX_JOBS=$(nproc) timeout 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
+    echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
+slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+# The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
+# bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
+step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
+# the backends against float64 (what the table ran on). QUICK: without the torch+compile cases
+# (each dtype and chunk size compiles anew)
+[ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
+step 240 check python3 bench/gpu_check.py $C
 P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T 0"
 [ "$quick" = 1 ] && P="$P --reps 5 --no-compile" || P="$P --reps 7"
 # Any head: TextHead and the official residual SwiGLU head through every backend that takes them.
@@ -64,10 +86,6 @@ step 240 heads-variants python3 bench/pairs.py --device cuda --dtype bfloat16 --
     --out "$out/$name-heads-variants.json"
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
-wait $build || { echo "!! build failed"; status=1; }
-# QUICK: without the torch+compile cases (each dtype and chunk size compiles anew)
-[ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
-step 240 check python3 bench/gpu_check.py $C
 step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"
@@ -77,4 +95,6 @@ if [ "$quick" != 1 ]; then
         --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
     step 150 tests python3 -m pytest -m cuda -q tests/test_triton.py tests/test_belief_state_loss.py tests/test_heads.py
 fi
+[ -n "$skipped" ] && echo "skipped for the ${budget}s budget:$skipped (run them with STEPS=... or a larger BUDGET)"
+echo "bench/gpu.sh: ${SECONDS}s"
 exit $status

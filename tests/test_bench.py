@@ -75,3 +75,58 @@ def test_segment_configs_refuses_an_unknown_name_and_passes_the_rest_to_pairs_py
     assert run.returncode != 0 and "usage: segment_configs.py {default,old,sweep}" in run.stderr
     run = subprocess.run([sys.executable, script, "old", "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--subsample-T" in run.stdout  # pairs.py's own help
+
+
+def test_paper_speed_runs_every_column_of_table_3_through_the_trainer(tmp_path):
+    """bench/paper_speed.py --shape tiny on the CPU: every column ran through train_step, with its
+    rates, memory, phases (the model's record_function ranges marked) and the paper's config."""
+    out, trace = tmp_path / "new" / "out", tmp_path / "trace"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
+                          "--threads", "1", "--out", str(out), "--trace", str(trace), "--profile-steps", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads((out / "paper_speed.json").read_text())
+    assert result["device"].startswith("cpu-") and result["shape_name"] == "tiny" and result["steps"] == 3
+    cols = {c["name"]: c for c in result["columns"]}
+    assert list(cols) == ["GPT", "BST original", "BST improved", "BST improved, SwiGLU head"]
+    L, B = 34, 4  # T = 32 with BOS and EOS
+    for name, c in cols.items():
+        assert c["error"] is None, (name, c["error"])
+        assert c["it_per_s"] > 0 and c["it_per_s_wall"] > 0 and len(c["step_ms"]) == 3
+        assert c["tokens_per_s"] == pytest.approx(c["it_per_s"] * B * L)
+        assert c["peak_mem_mb"] is None or c["peak_mem_mb"] >= 0
+        assert c["tflops"] > 0 and c["params"] > 0 and c["loss"] > 0
+        p = c["phases_ms"]
+        assert all(p[k] is not None and p[k] > 0 for k in ("forward", "backward", "optimizer", "step")), p
+        bst = name != "GPT"
+        assert (p["encoders"] is not None and p["pair_loss"] is not None) == bst, p
+        assert (c["pairs_per_step"] > 0) == bst
+        assert (trace / f"{c['slug']}.trace.json").stat().st_size > 0 and (trace / f"{c['slug']}.txt").exists()
+    # the paper's columns as config fields (Table 3's caption: gamma = 0.9, lambda = 0, 2% of pairs, shared)
+    gpt, orig, imp, sw = (cols[n]["config"] for n in cols)
+    assert gpt["method"] == "forward" and orig["method"] == imp["method"] == sw["method"] == "bst"
+    assert not orig["model"]["shared_encoders"] and orig["pairs"] is None and orig["gamma"] == 0
+    assert imp["model"]["shared_encoders"] and imp["pairs"] == 0.02 and imp["gamma"] == 0.9
+    assert imp["next_weight"] == 0.0 and imp["model"]["gpt_head"] and imp["model"]["head_type"] == "mlp"
+    assert sw["model"]["head_type"] == "swiglu" and sw["pairs"] == 0.02
+    assert cols["BST improved"]["pairs_per_step"] == pytest.approx(0.02 * cols["BST original"]["pairs_per_step"])
+    md = (out / "paper_speed.md").read_text()
+    assert "3.09" in md and "0.205" in md and "0.801" in md and "BST improved, SwiGLU head" in md
+
+
+def test_paper_speed_refuses_a_bad_set_before_running():
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape",
+                          "tiny", "--set", "model.n_layr=3"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "n_layr" in run.stderr and "==" not in run.stdout
+
+
+def test_profile_bench_profiles_the_trainers_step(tmp_path):
+    """bench/profile.py profiles bst_fast.trainer.train_step: the phase table and the trace."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "profile.py"), "--device", "cpu", "--T", "8",
+                          "--steps", "2", "--head", "swiglu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    text = next(tmp_path.glob("cpu*-profile-swiglu.txt")).read_text()
+    for phase in ("encoders", "pair_loss", "backward", "optimizer", "step"):
+        assert f"| {phase} |" in text, text[:2000]
+    assert "train_step" in text and next(tmp_path.glob("cpu*-profile-swiglu.trace.json")).stat().st_size > 0
