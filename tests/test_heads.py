@@ -506,12 +506,11 @@ def test_decoding_with_the_swiglu_head():
 
 
 def test_star_graph_smoke_with_swiglu_head(tmp_path):
-    """A short run of the main star config with the swiglu head (the full run:
+    """A short run of the star config with the swiglu head (the full run:
     bench/results/star_cpu_swiglu.md)."""
-    from bst_fast.config import apply_sets as _apply_sets
     from bst_fast import TrainConfig, train
 
-    cfg = _apply_sets(TrainConfig.load("configs/star_cpu.yaml"), ["model.head_type=swiglu"])
+    cfg = TrainConfig.load("configs/star_cpu_swiglu.yaml")
     assert cfg.model.head_type == "swiglu"
     d = cfg.to_dict()
     d.update(steps=40, batch_size=32, warmup=5, n_test=50, eval_every=40, log_every=10, progress=False,
