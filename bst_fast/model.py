@@ -86,7 +86,7 @@ class Block(nn.Module):
         hidden = max(1, int(round(mlp_ratio * d)))
         self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d), nn.Dropout(dropout))
 
-    def attend(self, x, cache=None):
+    def attend(self, x, cache=None, mask=None):
         B, T, d = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
         if cache is not None:  # incremental decoding: (k, v) of the positions already read
@@ -96,12 +96,12 @@ class Block(nn.Module):
         causal = cache is None or T > 1
         if cache is not None and T > 1 and k.shape[2] != T:
             raise ValueError("a cached encoder reads a prompt once, then one token at a time")
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
-    def forward(self, x, cache=None):
-        x = x + self.attend(self.ln1(x), cache)
+    def forward(self, x, cache=None, mask=None):
+        x = x + self.attend(self.ln1(x), cache, mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -119,19 +119,38 @@ class Encoder(nn.Module):
                                     for _ in range(cfg.n_layer))
         self.ln = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, tokens, segment: int = 0, caches=None, offset: int = 0):
-        """(B, T) token ids -> (B, T, m) states; position t has read tokens[:, :t+1]."""
+    def forward(self, tokens, segment: int = 0, caches=None, offset: int = 0, documents=None):
+        """(B, T) token ids -> (B, T, m) states; position t has read tokens[:, :t+1], or with
+        `documents` ((B, T) document ids of packed rows) only its own document's tokens up to t,
+        at positions counted from the document's start."""
         T = tokens.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")
-        pos = torch.arange(offset, offset + T, device=tokens.device)
-        x = self.tok(tokens) + self.pos(pos)[None]
+        mask = None
+        if documents is None:
+            x = self.tok(tokens) + self.pos(torch.arange(offset, offset + T, device=tokens.device))[None]
+        else:
+            if caches is not None or offset:
+                raise ValueError("packed documents are encoded whole, not decoded incrementally")
+            x = self.tok(tokens) + self.pos(document_positions(documents))
+            # block-diagonal causal attention: a position reads its own document's earlier positions
+            t = torch.arange(T, device=tokens.device)
+            mask = ((t[None, :] <= t[:, None])[None] & (documents[:, :, None] == documents[:, None, :]))[:, None]
         if self.seg is not None:
             x = x + self.seg.weight[segment]
         x = self.drop(x)
         for k, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[k])
+            x = block(x, None if caches is None else caches[k], mask)
         return self.ln(x)
+
+
+def document_positions(documents):
+    """(B, T) positions counted from each document's first position (a packed row's documents are
+    runs of one id)."""
+    t = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    start = torch.ones_like(documents, dtype=torch.bool)
+    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return t - torch.where(start, t, torch.zeros_like(t)).cummax(1).values
 
 
 def reverse_valid(tokens, lengths):
@@ -189,23 +208,27 @@ class BeliefStateTransformer(nn.Module):
         if cfg.head_tie_embedding:
             self.head.tie(self.forward_encoder.tok)
 
-    def prefix_states(self, tokens):
-        """f: (B, L, m); f[r, i] has read tokens[r, 0..i]."""
-        return self.forward_encoder(tokens, segment=0)
+    def prefix_states(self, tokens, documents=None):
+        """f: (B, L, m); f[r, i] has read tokens[r, 0..i] (packed rows: from its document's start)."""
+        return self.forward_encoder(tokens, segment=0, documents=documents)
 
-    def suffix_states(self, tokens, lengths=None):
-        """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards)."""
-        return self._suffix_states(tokens, full_lengths(tokens, lengths, self.cfg.vocab_size))
+    def suffix_states(self, tokens, lengths=None, documents=None):
+        """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards;
+        packed rows: to its document's end)."""
+        return self._suffix_states(tokens, full_lengths(tokens, lengths, self.cfg.vocab_size), documents)
 
-    def _suffix_states(self, tokens, lengths):
+    def _suffix_states(self, tokens, lengths, documents=None):
         """suffix_states of a batch forward has checked: (B,) lengths."""
         if self.suffix_constant is not None:
             return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
         rev, idx = reverse_valid(tokens, lengths)
+        # Reversed, a packed row's documents each read from their own end (the mask and positions
+        # follow the reversed ids); the order of the documents does not matter.
+        rev_docs = None if documents is None else documents.gather(1, idx)
         if self.backward_encoder is None:
-            states = self.forward_encoder(rev, segment=1)
+            states = self.forward_encoder(rev, segment=1, documents=rev_docs)
         else:
-            states = self.backward_encoder(rev)
+            states = self.backward_encoder(rev, documents=rev_docs)
         # The state at reversed position len-1-j has read the suffix from j: gather it back to j.
         return states.gather(1, idx[..., None].expand_as(states))
 
