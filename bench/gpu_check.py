@@ -22,7 +22,7 @@ import torch
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
-from bst_fast.backends import configs, torch_backend  # noqa: E402
+from bst_fast.backends import runtime, torch_backend  # noqa: E402
 
 
 def rel(x, y):
@@ -61,7 +61,6 @@ def main(argv=None):
     cases += [dict(cases[1], backend="torch+compile", swiglu=True, bias=False), dict(cases[0], backend="torch+compile")]
     cases += [dict(cases[2], backend="torch+unfused", swiglu=True, bias=True)]
     for chunk in (None, 97):
-        configs.CHUNK_PAIRS = torch_backend.CHUNK_PAIRS = chunk
         for k, c in enumerate(cases):
             g = torch.Generator().manual_seed(k)
             backend = c.get("backend", "triton")
@@ -94,7 +93,8 @@ def main(argv=None):
             regen = lambda: {**opts, **({"generator": torch.Generator().manual_seed(5)} if "generator" in opts else {})}
             ran += 1
             try:
-                failures += check_case(f, b, tokens, head, scale, regen, backend, f"chunk={chunk} case {k}")
+                with runtime.switched(chunk_pairs=chunk):  # both chunked backends' chunks
+                    failures += check_case(f, b, tokens, head, scale, regen, backend, f"chunk={chunk} case {k}")
             except Exception:  # one broken case must not hide the others' results
                 traceback.print_exc()
                 print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} raised: FAIL", flush=True)

@@ -14,7 +14,7 @@ and a PNG plot beside it (if matplotlib is installed).
 
 --head mlp is TextHead (--hidden, --layers); --head swiglu is ResidualSwiGLUHead (the official BST
 head, SwiGLU width from --swiglu-hidden or its default 8*2m/3 rounded to 128). The materialised
-objective is always the one of the same head (bst_fast.reference.pair_loss on it).
+objective is always the one of the same head (bst_fast.reference.run on it).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import torch
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
-from bst_fast.backends import REGISTRY, torch_backend  # noqa: E402
+from bst_fast.backends import NAMES, module, torch_backend  # noqa: E402
+from bst_fast.backends.runtime import LossOptions  # noqa: E402
 from bst_fast import reference  # noqa: E402
 from bst_fast._pairs import Pairs, pair_counts, pair_mask  # noqa: E402
 
@@ -131,10 +132,10 @@ def mm_rate(device, dtype, k, n, m=4096, inner=50):
 
 
 def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
-    """The paper's objective with every pair materialised: reference.pair_loss on a given pair list."""
+    """The paper's objective with every pair materialised: reference.run on a given pair list."""
     p = Pairs(lengths=None, prefix_start=None, min_gap=2, max_gap=0, scale=scale,
               row=row, i=i, j=j, weight=scale.expand(row.shape))
-    return reference.pair_loss(f, b, tokens, head, p, 0.5, vocab_size)
+    return reference.run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=vocab_size))
 
 
 def make_head(kind, args, layers, V):
@@ -159,13 +160,13 @@ def backends_for(args, kind, head, f):
     if names is None:
         names = ["all"] if kind != "mlp" else (["triton"] if args.device == "cuda" else ["cpp"])
     if "all" in names:
-        every = [n for n, be in REGISTRY.items() if n != "reference" and be.unsupported(head, f) is None]
+        every = [n for n in NAMES if n != "reference" and module(n).supports(head, f.device, f.dtype) is None]
         names = [x for n in names for x in (every if n == "all" else [n])]
 
     def why(n):  # a name in torch_backend.VARIANTS is the torch backend with those settings
         if n in torch_backend.VARIANTS:
-            return REGISTRY["torch"].unsupported(head, f)
-        return REGISTRY[n].unsupported(head, f) if n in REGISTRY else f"unknown backend {n!r}"
+            return torch_backend.supports(head, f.device, f.dtype)
+        return module(n).supports(head, f.device, f.dtype) if n in NAMES else f"unknown backend {n!r}"
     return [(n, why(n)) for n in dict.fromkeys(names)]
 
 

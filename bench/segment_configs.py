@@ -1,4 +1,4 @@
-"""Run bench/pairs.py with other launch configs of the segment-sum kernels (backends/configs.py
+"""Run bench/pairs.py with other launch configs of the segment-sum kernels (backends/launch.py
 gather_config's BS, seg_BK, seg_warps), to time a training objective end to end under each, side by
 side on one machine. bench/segment_sums.py times the kernels alone.
 
@@ -15,7 +15,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bst_fast.backends import configs  # noqa: E402
+from bst_fast.backends import launch  # noqa: E402
 
 # (BS, seg_BK, seg_warps) by what the segment sums read: the "sum" kind, "act", "swiglu"
 CONFIGS = {"default": None,
@@ -27,7 +27,7 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] not in CONFIGS:
         sys.exit(f"usage: segment_configs.py {{{','.join(CONFIGS)}}} [bench/pairs.py's arguments]")
     table = CONFIGS[sys.argv[1]]
-    default = configs.gather_config
+    default = launch.gather_config
 
     def gather_config(device_type, width, kind):
         cfg = default(device_type, width, kind)
@@ -36,8 +36,8 @@ def main():
             cfg.update(BS=BS, seg_BK=min(BK, triton.next_power_of_2(width)), seg_warps=warps)
         return cfg
 
-    # the backends look gather_config up in the configs module when they launch: patched there
-    configs.gather_config = gather_config
+    # the backends look gather_config up in the launch module when they launch: patched there
+    launch.gather_config = gather_config
     here = os.path.dirname(os.path.abspath(__file__))
     sys.argv = [os.path.join(here, "pairs.py")] + sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -27,7 +27,8 @@ from segment_configs import CONFIGS
 from pairs import timed as timed_s
 from bst_fast._pairs import Pairs, pair_list
 from bst_fast.backends import torch_backend
-from bst_fast.backends.configs import chunk_config, gather_config
+from bst_fast.backends.launch import chunk_config, gather_config
+from bst_fast.backends.runtime import SWITCHES
 from bst_fast.head import swiglu_hidden
 from bst_fast.kernels.activation import ACT, NO_ACT, SWIGLU
 from bst_fast.kernels.pair_hidden import pair_hidden, segment_grads
@@ -62,12 +63,12 @@ def main():
     BL = B * T
     # the torch backend's chunk for this head in bf16: its budget over (logits 2V, the residual
     # part 2m, the fused swiglu output hid) bf16 elements a pair (as _ChunkedLoss counts per_pair)
-    chunk = torch_backend.chunk_pairs(2 * (2 * V + 2 * m + hid), dev)
+    chunk = torch_backend.chunk_pairs(2 * (2 * V + 2 * m + hid), dev, SWITCHES)
     lengths = torch.full((B,), T, dtype=torch.int64, device=dev)
     p = Pairs(lengths=lengths, prefix_start=torch.zeros_like(lengths), min_gap=2, max_gap=T,
               scale=torch.ones((), dtype=torch.float64, device=dev))
     # and the triton backend's for a TextHead (h = m, gelu, V, bf16)
-    text_chunk = chunk_config(dev.type, V, [m, m], torch.bfloat16)["chunk"]
+    text_chunk = chunk_config(dev.type, V, [m, m], torch.bfloat16, SWITCHES)["chunk"]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreted)"
     print(f"{name}: B={B} T={T} torch {torch.__version__}")
 
@@ -78,7 +79,7 @@ def main():
              ("text-gelu", "act", ACT["gelu"], m, m, torch.float32, text_chunk),
              # the torch backend's TextHead: its first layer's pair sums, m wide, bf16 (chunk: its
              # budget over the logits and that sum)
-             ("text-sum", "sum", NO_ACT.value, m, m, torch.bfloat16, torch_backend.chunk_pairs(2 * (2 * V + m), dev))]
+             ("text-sum", "sum", NO_ACT.value, m, m, torch.bfloat16, torch_backend.chunk_pairs(2 * (2 * V + m), dev, SWITCHES))]
     if args.parts:
         parts = [q for q in parts if q[0] in args.parts]
     old = CONFIGS["old"]  # the shapes before bench/results/h200-run4 (BS, BK, warps), timed first
@@ -86,9 +87,9 @@ def main():
     for part, kind, act, wide, h, tdt, chunk in parts:
         pl = pair_list(p, B, T, chunk)
         mid = pl.chunks[len(pl.chunks) // 2]
-        s0, n = mid[:2]
+        s0, n = mid.s0, mid.n
         print(f"{part}: pairs={pl.ia.numel()} chunks={len(pl.chunks)} chunk={n} pairs "
-              f"(prefix segments {mid[3] - mid[2]}, suffix {mid[5] - mid[4]})")
+              f"(prefix segments {mid.pre_hi - mid.pre_lo}, suffix {mid.suf_hi - mid.suf_lo})")
         A = torch.randn(BL, wide, device=dev).to(tdt)
         Bm = torch.randn(BL, wide, device=dev).to(tdt)
         H = torch.empty(n, h, dtype=torch.bfloat16, device=dev)
@@ -120,7 +121,7 @@ def main():
             dA = torch.zeros(2 * BL, wide, dtype=torch.float32, device=dev)
             only = {}
             for side in ("prefix", "suffix"):  # one side at a time: the other's segment range emptied
-                c = mid[:4] + (0, 0) if side == "prefix" else mid[:2] + (0, 0) + mid[4:]
+                c = mid._replace(suf_lo=0, suf_hi=0) if side == "prefix" else mid._replace(pre_lo=0, pre_hi=0)
                 try:
                     only[side] = timed(lambda: segment_grads(dH, A, Bm, pl, c, dA[:BL], dA[BL:], act, 1.0, cfg),
                                        dev.type, args.reps)

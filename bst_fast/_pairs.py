@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -91,6 +91,18 @@ def flat_pairs(p: Pairs, L: int):
     return ia, ib, None if p.scale.dim() == 0 else p.scale[ia // L]
 
 
+class Chunk(NamedTuple):
+    """One chunk of a PairList: its slots [s0, s0 + n), the prefix segments [pre_lo, pre_hi) and the
+    suffix segments [suf_lo, suf_hi) they meet (host ints)."""
+
+    s0: int
+    n: int
+    pre_lo: int
+    pre_hi: int
+    suf_lo: int
+    suf_hi: int
+
+
 @dataclass
 class PairList:
     """A batch's pairs as flat positions, sorted by (ia, ib), with their segments and chunk schedule.
@@ -109,8 +121,7 @@ class PairList:
     perm: torch.Tensor  # (n,) int32 (likewise)
     pre_off: torch.Tensor  # (B*L + 1,) int64
     suf_off: torch.Tensor  # (B*L + 1,) int64
-    # per chunk: (s0, n, first prefix segment, end, first suffix segment, end), host ints
-    chunks: List[Tuple[int, int, int, int, int, int]]
+    chunks: List[Chunk]
     search_steps: int  # binary-search rounds that cover the longest suffix segment
     meet_token: Optional[int] = None  # both labels of a pair with ib - ia = 1 (docs/contract.md §8), as in Pairs
 
@@ -153,14 +164,16 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
     suf_lo = ib_pad.amin(1)
     suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
     longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
-    # one transfer, as float64 (the counts are far below 2**53): the chunk table, longest, wscale
+    # one transfer, as float64 (the counts are far below 2**53): the chunk table (a row a Chunk),
+    # longest, wscale
     table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1).double(),
                        longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
+    width = len(Chunk._fields)
     return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
-                    chunks=[tuple(int(x) for x in table[k : k + 6]) for k in range(0, 6 * n_chunks, 6)],
+                    chunks=[Chunk(*map(int, table[k : k + width])) for k in range(0, width * n_chunks, width)],
                     search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token)
 
 

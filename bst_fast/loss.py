@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from . import _pairs
-from .backends import REGISTRY, pick
+from .backends import NAMES, pick
+from .backends.runtime import LossOptions
 
-BACKENDS = ("auto",) + tuple(REGISTRY)
+BACKENDS = ("auto",) + NAMES
 
 
 def _vocab_size(head, m, device, dtype):
@@ -86,17 +87,18 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1], f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, meet_token=meet_token, op_checks=chosen.fused)
+                       generator=generator, meet_token=meet_token, op_checks=chosen.FUSED)
     tokens = tokens.long()
-    if not chosen.fused:
-        return chosen.run(f, b, tokens, head, p, next_weight, V, None)
+    if not chosen.FUSED:
+        return chosen.run(f, b, tokens, head, p, LossOptions(next_weight=next_weight, vocab_size=V))
     # The fused engines choose their own precision (docs/contract.md §6); autocast must not recast inside them.
     # Under CUDA autocast the GPU kernels take the autocast dtype for their matrix operands (fp32
     # accumulation), as the materialised head would.
     autocast_dtype = (torch.get_autocast_dtype("cuda")
                       if f.is_cuda and torch.is_autocast_enabled("cuda") else None)
+    options = LossOptions(next_weight=next_weight, vocab_size=V, compute_dtype=autocast_dtype)
     with torch.autocast(device_type=f.device.type, enabled=False):
-        return chosen.run(f, b, tokens, head, p, next_weight, V, autocast_dtype)
+        return chosen.run(f, b, tokens, head, p, options)
 
 
 class BeliefStateLoss(nn.Module):

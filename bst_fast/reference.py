@@ -6,9 +6,19 @@ import torch.nn.functional as F
 
 from ._pairs import Pairs, labels, pair_mask
 
+# The backend protocol (bst_fast/backends/__init__.py): the spec takes any head, dtype and device.
+NAME = "reference"
+FUSED = False
 
-def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, vocab_size: int):
-    """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), with a (pairs, 2m) input."""
+
+def supports(head, device, dtype):
+    return None
+
+
+def run(f, b, tokens, head, p: Pairs, options):
+    """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), with a (pairs, 2m) input;
+    lambda = options.next_weight, V = options.vocab_size (a backends.runtime.LossOptions)."""
+    next_weight, vocab_size = options.next_weight, options.vocab_size
     if p.row is None:
         L = f.shape[1]
         row, i, j = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).nonzero(as_tuple=True)

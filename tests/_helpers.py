@@ -143,22 +143,34 @@ class SwiGLUHead(nn.Module):
         return self.out(self.norm(x))
 
 
-def tiny_weight_float16_errors(pair_loss, f, b, tokens, head, V, scale):
+def switch(monkeypatch, **changes):
+    """The backends' runtime switches changed for one test (runtime.SWITCHES, the one place they live):
+    Switches' field names, e.g. chunk_pairs=13 or triton_ops=True."""
+    import dataclasses
+
+    from bst_fast.backends import runtime
+
+    monkeypatch.setattr(runtime, "SWITCHES", dataclasses.replace(runtime.SWITCHES, **changes))
+
+
+def tiny_weight_float16_errors(run, f, b, tokens, head, V, scale):
     """(loss error, [gradient errors of f, b and the head's parameters]) of a backend's
-    `pair_loss(f, b, tokens, head, p, 0.5)` in float16 against float64, every pair of the rows
-    weighed by `scale` (tiny: a mean over very many pairs)."""
+    `run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=V))` in float16 against
+    float64, every pair of the rows weighed by `scale` (tiny: a mean over very many pairs)."""
     from bst_fast import _pairs, reference
+    from bst_fast.backends.runtime import LossOptions
 
     p = _pairs.prepare(f, b, tokens, V, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
                        pairs=None, next_weight=0.5, reduction="sum", generator=None)
     p.scale = torch.tensor(scale, dtype=torch.float64)
+    options = LossOptions(next_weight=0.5, vocab_size=V)
     h64 = copy.deepcopy(head).double()
     f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
-    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.5, V)
+    ref = reference.run(f64, b64, tokens, h64, p, options)
     ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
     h16 = copy.deepcopy(head).half()
     f16, b16 = f.half().requires_grad_(), b.half().requires_grad_()
-    out = pair_loss(f16, b16, tokens, h16, p, 0.5)
+    out = run(f16, b16, tokens, h16, p, options)
     g = torch.autograd.grad(out, [f16, b16, *h16.parameters()])
     return rel_err(out, ref), [rel_err(x, y) for x, y in zip(g, ref_g)]
 

@@ -10,7 +10,7 @@ from bst_fast import BeliefStateLoss, belief_state_loss
 from bst_fast import _pairs
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head,
-                      make_inputs, random_grad_out, reference64, rel_err)
+                      make_inputs, random_grad_out, reference64, rel_err, switch)
 
 
 def explicit_pairs():
@@ -128,8 +128,7 @@ def test_a_confident_model_keeps_its_small_loss_in_float32(backend, triton_ops, 
     """Logits near 50 and a loss of 1e-5, as late in training: the logsumexp is kept as the top
     logit and log1p of the rest, so float32 meets docs/contract.md §6 (mx + log(se) - zy lost 6% of
     the loss and of every gradient; plain float32 torch, F.cross_entropy, is off by 1e-4 here)."""
-    from bst_fast.backends import torch_backend
-    monkeypatch.setattr(torch_backend, "TRITON_OPS", triton_ops)
+    switch(monkeypatch, triton_ops=triton_ops)
     g = torch.Generator().manual_seed(5)
     B, L, m, V = 2, 8, 4, 3
     f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
@@ -291,13 +290,13 @@ def _spy(monkeypatch):
 
     calls = []
     for name, mod in (("cpp", _ops), ("torch", _torch), ("reference", reference)):
-        real = mod.pair_loss
+        real = mod.run
 
         def spy(*args, _real=real, _name=name, **kw):
             calls.append(_name)
             return _real(*args, **kw)
 
-        monkeypatch.setattr(mod, "pair_loss", spy)
+        monkeypatch.setattr(mod, "run", spy)
     return calls
 
 

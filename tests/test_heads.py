@@ -13,11 +13,11 @@ from torch import nn
 
 from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
 from bst_fast import _pairs, decode
-from bst_fast.backends import torch_backend
+from bst_fast.backends import runtime, torch_backend, torch_chunks
 from bst_fast.head import PairParts, split_linear, swiglu, swiglu_grad, swiglu_hidden
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
-                      bf16_head_draw, random_grad_out, reference64, rel_err, tiny_weight_float16_errors)
+                      bf16_head_draw, random_grad_out, reference64, rel_err, switch, tiny_weight_float16_errors)
 
 
 @pytest.fixture(params=["torch_ops", "triton"])
@@ -29,10 +29,10 @@ def engine(request, monkeypatch):
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
-    monkeypatch.setattr(torch_backend, "TRITON_OPS", request.param == "triton")
+    switch(monkeypatch, triton_ops=request.param == "triton")
     calls = []
-    real = torch_backend._TritonOps.gather
-    monkeypatch.setattr(torch_backend._TritonOps, "gather", lambda self, k, c, what: calls.append(k) or real(self, k, c, what))
+    real = torch_chunks.TritonOps.gather
+    monkeypatch.setattr(torch_chunks.TritonOps, "gather", lambda self, k, c, what: calls.append(k) or real(self, k, c, what))
     yield request.param, calls
     assert bool(calls) == (request.param == "triton"), "the pair-sum engine the test asked for did not run"
 
@@ -135,7 +135,7 @@ CHUNKS = [1, 2, 7, 13, 97, 10**6]  # one pair, primes (chunks across rows), more
 def test_chunk_boundaries(monkeypatch, kind, chunk):
     """Every chunk size gives the reference to float64 precision: a chunk of one pair, prime sizes
     that cut rows anywhere, rows shorter than a chunk (row 1 has 3 pairs) and a chunk holding all."""
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    switch(monkeypatch, chunk_pairs=chunk)
     seed = 30 + CHUNKS.index(chunk)
     f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
     head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
@@ -154,7 +154,7 @@ def test_both_engines_against_reference(case, kind, monkeypatch, engine):
     f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
     head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed, bias=seed % 2 == 1), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
     for chunk in (7, None):
-        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        switch(monkeypatch, chunk_pairs=chunk)
         check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **CASES[case])
 
 
@@ -162,7 +162,7 @@ def test_both_engines_against_reference(case, kind, monkeypatch, engine):
 def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
     """The segment sums of a chunk of one pair, of prime sizes, of rows shorter than a chunk, in
     float32 with ragged rows; and the same with explicit pairs that repeat."""
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    switch(monkeypatch, chunk_pairs=chunk)
     seed = 130 + chunk
     f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=seed)
     head = make_swiglu(seed=seed)
@@ -172,10 +172,10 @@ def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
 
 @pytest.mark.parametrize("case", ["default", "explicit", "fraction"])
 def test_unfused_swiglu_against_reference(case, monkeypatch, engine):
-    """FUSED_SWIGLU off: gate and up summed apart (column halves of one table, strided rows for the
+    """fused_swiglu off: gate and up summed apart (column halves of one table, strided rows for the
     Triton engine's gathers and segment sums) and combined by torch; both engines in float32,
     chunks of 7 pairs and of the byte budget. The default (fused) path is every other swiglu test."""
-    monkeypatch.setattr(torch_backend, "FUSED_SWIGLU", False)
+    switch(monkeypatch, fused_swiglu=False)
     whats = []
     real = torch_backend._PairSum.forward
     monkeypatch.setattr(torch_backend._PairSum, "forward",
@@ -184,7 +184,7 @@ def test_unfused_swiglu_against_reference(case, monkeypatch, engine):
     f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=seed)
     head = make_swiglu(seed=seed, bias=seed % 2 == 1)
     for chunk in (7, None):
-        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        switch(monkeypatch, chunk_pairs=chunk)
         check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **CASES[case])
     assert set(whats) == {"sum", "gate", "up"}
 
@@ -201,10 +201,10 @@ def test_fused_swiglu_gathers_half_width(monkeypatch):
         widths.append((a[-1], x.shape[1]))
         return x
     monkeypatch.setattr(torch_backend._PairSum, "forward", staticmethod(forward))
-    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * (2 * V + 2 * m + H) * 8)
+    switch(monkeypatch, torch_cpu_chunk_bytes=5 * (2 * V + 2 * m + H) * 8)
     sizes = []
-    real_ce = torch_backend._cross_entropy_
-    monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real_ce(z, *a))
+    real_ce = torch_chunks._cross_entropy_
+    monkeypatch.setattr(torch_chunks, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real_ce(z, *a))
     f, b, tokens, _ = make_inputs(B=3, L=13, m=m, V=V, seed=41)
     check_against_reference(f, b, tokens, make_swiglu(m, V, hidden=H, seed=41), backend="torch", dtype=torch.float64,
                             seed=41)
@@ -213,18 +213,18 @@ def test_fused_swiglu_gathers_half_width(monkeypatch):
 
 
 def test_chunk_size_from_the_byte_budget(monkeypatch):
-    assert torch_backend.CHUNK_PAIRS is None
+    assert runtime.SWITCHES.chunk_pairs is None
     if "BST_FAST_TORCH_CHUNK_MB" not in os.environ:
-        assert torch_backend.CHUNK_BYTES == 256 * 2**20  # the GPU default
-    assert torch_backend.chunk_pairs(4000, torch.device("cuda")) == 256 * 2**20 // 4000
-    assert torch_backend.chunk_pairs(10**12, torch.device("cpu")) == 1
+        assert runtime.SWITCHES.torch_chunk_bytes == 256 * 2**20  # the GPU default
+    assert torch_backend.chunk_pairs(4000, torch.device("cuda"), runtime.SWITCHES) == 256 * 2**20 // 4000
+    assert torch_backend.chunk_pairs(10**12, torch.device("cpu"), runtime.SWITCHES) == 1
     # A budget of 5 pairs' logits and first-layer sums (2V + h float64 each) on the CPU: chunks of 5
     # across rows, still exact.
-    monkeypatch.setattr(torch_backend, "CPU_CHUNK_BYTES", 5 * (2 * 13 + 9) * 8)
-    assert torch_backend.chunk_pairs((2 * 13 + 9) * 8 + 1, torch.device("cpu")) == 4
+    switch(monkeypatch, torch_cpu_chunk_bytes=5 * (2 * 13 + 9) * 8)
+    assert torch_backend.chunk_pairs((2 * 13 + 9) * 8 + 1, torch.device("cpu"), runtime.SWITCHES) == 4
     sizes = []
-    real = torch_backend._cross_entropy_
-    monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real(z, *a))
+    real = torch_chunks._cross_entropy_
+    monkeypatch.setattr(torch_chunks, "_cross_entropy_", lambda z, *a: sizes.append(z.shape[0]) or real(z, *a))
     f, b, tokens, head = make_inputs(B=3, L=13, m=7, V=13, seed=40)
     check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=40,
                             lengths=torch.tensor([13, 4, 11]))
@@ -277,7 +277,7 @@ def test_swiglu_of_16_bit_tables_rounds_once(dtype, engine):
     for rows in (ia, ib + B * L):
         want.index_add_(0, rows, torch.cat([dg, du], 1))
     grads = [torch.zeros(2 * B * L, 2 * h)]
-    ops = (torch_backend._TritonOps if engine[0] == "triton" else torch_backend._TorchOps)(
+    ops = (torch_chunks.TritonOps if engine[0] == "triton" else torch_chunks.TorchOps)(
         [P], [Q], [dtype], (0,), pl, grads, tokens, 0.5)
     x = ops.gather(0, pl.chunks[0], "swiglu")
     assert torch.equal(x, swiglu(s[:, :h], s[:, h:]).float().to(dtype))
@@ -299,20 +299,23 @@ def test_bad_swiglu_parts_are_refused(monkeypatch):
 
 
 def test_variants_set_and_restore_the_settings():
-    before = (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU)
+    def settings():
+        return runtime.SWITCHES.compile_tail, runtime.SWITCHES.fused_swiglu
+
+    before = settings()
     with torch_backend.variant("torch+unfused"):
-        assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == (False, False)
+        assert settings() == (False, False)
         with torch_backend.variant("torch+compile"):
-            assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == (True, True)
-        assert torch_backend.FUSED_SWIGLU is False
-    assert (torch_backend.COMPILE, torch_backend.FUSED_SWIGLU) == before
+            assert settings() == (True, True)
+        assert runtime.SWITCHES.fused_swiglu is False
+    assert settings() == before
     with pytest.raises(ValueError, match="variant must be one of"):
         with torch_backend.variant("torch+fast"):
             pass
 
 
 def test_environment_settings_are_checked(monkeypatch):
-    from bst_fast.backends import env_flag, env_mb
+    from bst_fast.backends.runtime import env_flag, env_mb
 
     monkeypatch.setenv("BST_FAST_X_MB", "0.5")
     assert env_mb("BST_FAST_X_MB", 256) == 2**19
@@ -329,6 +332,18 @@ def test_environment_settings_are_checked(monkeypatch):
         monkeypatch.setenv("BST_FAST_X_ON", bad)
         with pytest.raises(ValueError, match="BST_FAST_X_ON must be 0 or 1"):
             env_flag("BST_FAST_X_ON")
+
+
+def test_switches_come_from_the_environment(monkeypatch):
+    """Each environment variable sets its switch; a LossOptions made without switches takes the ones in force."""
+    for name, value in (("BST_FAST_CHUNK_MB", "0.5"), ("BST_FAST_TORCH_CHUNK_MB", "2"),
+                        ("BST_FAST_TORCH_COMPILE", "1"), ("BST_FAST_TORCH_UNFUSED_SWIGLU", "1")):
+        monkeypatch.setenv(name, value)
+    assert runtime.Switches.from_environment() == runtime.Switches(
+        triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False)
+    with runtime.switched(chunk_pairs=5):
+        assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches.chunk_pairs == 5
+    assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches is runtime.SWITCHES
 
 
 def test_flat_pairs_are_the_pair_set_in_order():
@@ -361,7 +376,7 @@ def test_no_host_synchronisation_per_chunk(monkeypatch):
     f.requires_grad_()
     counts = []
     for chunk in (1, 10**6):
-        monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+        switch(monkeypatch, chunk_pairs=chunk)
         calls = []
         with monkeypatch.context() as mp:
             for name in ("item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__"):
@@ -391,12 +406,11 @@ def test_logits_saved_by_the_head_are_not_overwritten(training):
 
 
 def test_compiled_tail_against_reference(monkeypatch):
-    """torch_backend.COMPILE: the heads' per-pair tail under torch.compile (inductor on the CPU),
+    """Switches.compile_tail: the heads' per-pair tail under torch.compile (inductor on the CPU),
     chunks of 7 pairs (a static graph, then a dynamic one for the shorter last chunk), in float32
     at docs/contract.md §6's tolerances; a head whose backward reads its logits (tanh) keeps them."""
     pytest.importorskip("torch._inductor")
-    monkeypatch.setattr(torch_backend, "COMPILE", True)
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", 7)
+    switch(monkeypatch, compile_tail=True, chunk_pairs=7)
     stats = torch._dynamo.utils.counters["stats"]
     graphs = stats["unique_graphs"]
     f, b, tokens, _ = make_inputs(B=3, L=13, m=7, V=13, seed=65)
@@ -618,7 +632,7 @@ def test_bf16_swiglu_gate_up_parts_round_once(engine, fused, go, monkeypatch):
     rounded apart broke the 2x bound on mlp.2.bias for this draw. With a grad_output that is not
     a power of two, a bf16 parameter's gradient is rounded once more (docs/contract.md §6): one
     rounding, 2**-8, is allowed on top for the parameters."""
-    monkeypatch.setattr(torch_backend, "FUSED_SWIGLU", fused)
+    switch(monkeypatch, fused_swiglu=fused)
     B, L, m, V, seed = 3, 14, 6, 17, 3
     g = torch.Generator().manual_seed(seed)
     f = (torch.randn(B, L, m, generator=g) * 2).bfloat16()
@@ -775,13 +789,13 @@ def test_the_heads_logits_are_overwritten_without_a_copy(monkeypatch, kind):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, **k:
                             copies.append(tuple(t.shape)) or _real(t, *a, **k))
-    tail, ce = torch_backend._call_tail, torch_backend._cross_entropy_
+    tail, ce = torch_backend._call_tail, torch_chunks._cross_entropy_
     def spied_tail(*a):
         out = tail(*a)
         made.append(out.data_ptr())
         return out
     monkeypatch.setattr(torch_backend, "_call_tail", spied_tail)
-    monkeypatch.setattr(torch_backend, "_cross_entropy_", lambda z, *a: written.append(z.data_ptr()) or ce(z, *a))
+    monkeypatch.setattr(torch_chunks, "_cross_entropy_", lambda z, *a: written.append(z.data_ptr()) or ce(z, *a))
     belief_state_loss(f, b, tokens, head, backend="torch").backward()
     assert not [s for s in copies if s[-1:] in ((13,), (2 * 13,))], copies  # no copy of (n, 2V) logits
     assert written and written == made[-len(written):]  # the gradient goes into the tail's own logits
@@ -794,7 +808,7 @@ def test_torch_backend_on_a_gpu(monkeypatch, chunk, engine):
     """On a GPU, at widths above one kernel block and chunks across rows: float32 at
     docs/contract.md §6's tolerances, both heads, both engines; with the Triton engine (the default
     there) two runs are bitwise equal."""
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", chunk)
+    switch(monkeypatch, chunk_pairs=chunk)
     dev = torch.device("cuda")
     f, b, tokens, mlp = make_inputs(B=3, L=61, m=72, V=517, hidden=[160, 96], n_layers=3, seed=150)
     lengths = torch.tensor([61, 40, 23])
@@ -813,8 +827,7 @@ def test_float16_tiny_pair_weights_keep_their_digits(monkeypatch):
     """A mean over a million pairs weighs each by ~1e-6: w * (softmax - onehot) is subnormal in
     float16. The torch backend works in units of the largest weight, scaled by 1/sqrt(n), and
     multiplies the scale back in its float32 accumulators, so the gradients keep their digits."""
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", 7)
+    switch(monkeypatch, chunk_pairs=7)
     f, b, tokens, head = make_inputs(B=1, L=9, m=5, V=13, seed=10)
-    loss_err, grad_errs = tiny_weight_float16_errors(
-        lambda *a: torch_backend.pair_loss(*a, 13), f, b, tokens, head, 13, scale=2e-6)
+    loss_err, grad_errs = tiny_weight_float16_errors(torch_backend.run, f, b, tokens, head, 13, scale=2e-6)
     assert loss_err < 1e-2 and max(grad_errs) < 2e-2, grad_errs

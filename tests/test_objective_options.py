@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from _helpers import TOL, make_head, random_grad_out, rel_err
+from _helpers import TOL, make_head, random_grad_out, rel_err, switch
 from bst_fast import BeliefStateLoss, belief_state_loss
 from bst_fast import _pairs
-from bst_fast.backends import configs, torch_backend
 
 B, L, m, V = 4, 11, 5, 7
 MEET = 3  # an ordinary id of these random rows, so a wrong label rule shows
@@ -136,8 +135,7 @@ def expected(case):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 13 pairs in the triton and torch backends: chunk boundaries inside rows."""
-    monkeypatch.setattr(configs, "CHUNK_PAIRS", 13)
-    monkeypatch.setattr(torch_backend, "CHUNK_PAIRS", 13)
+    switch(monkeypatch, chunk_pairs=13)
 
 
 @pytest.mark.parametrize("name,backend,dtype,triton_ops", BACKENDS, ids=[x[0] for x in BACKENDS])
@@ -145,7 +143,7 @@ def small_chunks(monkeypatch):
 def test_against_brute_force(case, name, backend, dtype, triton_ops, small_chunks, monkeypatch):
     if triton_ops or backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setattr(torch_backend, "TRITON_OPS", triton_ops)
+    switch(monkeypatch, triton_ops=triton_ops)
     f, b, tokens, head = inputs()
     f, b, head = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_(), copy.deepcopy(head).to(dtype)
     loss = belief_state_loss(f, b, tokens, head, backend=backend, **opts_of(case))

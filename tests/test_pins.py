@@ -12,6 +12,8 @@ import bst_fast
 from bst_fast.data import TextData
 from bst_fast.model import BeliefStateTransformer, ModelConfig
 
+from _helpers import switch
+
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -186,10 +188,10 @@ def _segment_case(hidden=37):
 def test_segment_grads_with_cuda_like_block_shapes(engine, monkeypatch):
     """With the gather's BK != seg_BK (as on CUDA) the triton kernels' gradients still match the reference (contract §6)."""
     pytest.importorskip("triton")
-    from bst_fast.backends import configs, torch_backend
+    from bst_fast.backends import launch
 
-    monkeypatch.setattr(configs, "gather_config", _cuda_like_config)
-    monkeypatch.setattr(torch_backend, "TRITON_OPS", True)
+    monkeypatch.setattr(launch, "gather_config", _cuda_like_config)
+    switch(monkeypatch, triton_ops=True)
     launches = _spy_segment_kernels(monkeypatch)
     f, b, tokens, head, lengths = _segment_case()
     want = _grads(f, b, tokens, head, torch.float64, lengths=lengths, backend="reference")
@@ -206,10 +208,10 @@ def test_segment_grads_with_cuda_like_block_shapes(engine, monkeypatch):
 def test_segment_kernels_launch_with_seg_bk(engine, monkeypatch):
     """segment_grads launches its prefix/suffix kernels with gather_config's BS, seg_BK and seg_warps, over cdiv(h, seg_BK) blocks."""
     pytest.importorskip("triton")
-    from bst_fast.backends import configs, torch_backend
+    from bst_fast.backends import launch
 
-    monkeypatch.setattr(configs, "gather_config", _cuda_like_config)
-    monkeypatch.setattr(torch_backend, "TRITON_OPS", True)
+    monkeypatch.setattr(launch, "gather_config", _cuda_like_config)
+    switch(monkeypatch, triton_ops=True)
     launches = _spy_segment_kernels(monkeypatch)
     f, b, tokens, head, lengths = _segment_case()
     _grads(f, b, tokens, head, torch.float32, lengths=lengths,

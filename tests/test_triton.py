@@ -10,9 +10,10 @@ from bst_fast import TextHead, belief_state_loss
 from bst_fast import _pairs, reference
 
 triton = pytest.importorskip("triton")
-from _helpers import tiny_weight_float16_errors  # noqa: E402
-from bst_fast.backends import configs, pick  # noqa: E402
+from _helpers import switch, tiny_weight_float16_errors  # noqa: E402
+from bst_fast.backends import pick  # noqa: E402
 from bst_fast.backends import triton_backend  # noqa: E402
+from bst_fast.backends.runtime import LossOptions  # noqa: E402
 
 CPU = torch.device("cpu")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -26,7 +27,7 @@ def _rel(x, y):
 def chunk_pairs(monkeypatch):
     """Pairs per chunk (None: the byte budget), so that tests can cut chunks anywhere."""
     def set_(n):
-        monkeypatch.setattr(configs, "CHUNK_PAIRS", n)
+        switch(monkeypatch, chunk_pairs=n)
     return set_
 
 
@@ -152,10 +153,10 @@ def test_weighted_pair_list_direct(chunk_pairs):
     p.weight = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 3
     h64 = copy.deepcopy(head).double()
     f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
-    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.6, 13)
+    ref = reference.run(f64, b64, tokens, h64, p, LossOptions(next_weight=0.6, vocab_size=13))
     ref_g = torch.autograd.grad(ref * 1.3, [f64, b64, *h64.parameters()])
     f32, b32 = f.clone().requires_grad_(), b.clone().requires_grad_()
-    out = triton_backend.pair_loss(f32, b32, tokens, head, p, 0.6)
+    out = triton_backend.run(f32, b32, tokens, head, p, LossOptions(next_weight=0.6, vocab_size=13))
     g = torch.autograd.grad(out * 1.3, [f32, b32, *head.parameters()])
     assert _rel(out, ref) < 1e-5
     for x, y in zip(g, ref_g):
@@ -168,7 +169,7 @@ def test_float16_tiny_weights(chunk_pairs):
     chunk_pairs(7)
     f, b, tokens, head = _inputs(1, 9, 5, 13, seed=10)
     # scale 2e-5: the gradients themselves stay normal float16 numbers
-    loss_err, grad_errs = tiny_weight_float16_errors(triton_backend.pair_loss, f, b, tokens, head, 13, scale=2e-5)
+    loss_err, grad_errs = tiny_weight_float16_errors(triton_backend.run, f, b, tokens, head, 13, scale=2e-5)
     assert loss_err < 1e-2 and max(grad_errs) < 2e-2, grad_errs
 
 
@@ -223,12 +224,13 @@ def test_bf16_compute_for_an_fp32_model():
     p = _pairs.prepare(f, b, tokens, 19, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
                        pairs=None, next_weight=0.5, reduction="mean", generator=None)
     fr, br = f.clone().requires_grad_(), b.clone().requires_grad_()
-    out = triton_backend.pair_loss(fr, br, tokens, head, p, 0.5, compute_dtype=torch.bfloat16)
+    out = triton_backend.run(fr, br, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=19,
+                                                                  compute_dtype=torch.bfloat16))
     grads = torch.autograd.grad(out, [fr, br, *head.parameters()])
     assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
     h64 = copy.deepcopy(head).double()
     f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
-    ref = reference.pair_loss(f64, b64, tokens, h64, p, 0.5, 19)
+    ref = reference.run(f64, b64, tokens, h64, p, LossOptions(next_weight=0.5, vocab_size=19))
     ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
     assert _rel(out, ref) < 2e-2
     assert 1e-7 < _rel(out, ref)  # it really computed in bf16
@@ -297,8 +299,8 @@ def test_pair_list_schedule():
 
 def test_auto_and_errors():
     f, b, tokens, head = _inputs(1, 5, 4, 5)
-    assert pick("auto", head, f).name == "cpp"  # on the CPU the C++ engine is the fast path
-    assert pick("auto", torch.nn.Linear(8, 10), f).name == "torch"
+    assert pick("auto", head, f).NAME == "cpp"  # on the CPU the C++ engine is the fast path
+    assert pick("auto", torch.nn.Linear(8, 10), f).NAME == "torch"
     with pytest.raises(ValueError, match="needs a TextHead"):
         belief_state_loss(f, b, tokens, torch.nn.Linear(8, 10), backend="triton")
     with pytest.raises(ValueError, match="float64"):
@@ -341,7 +343,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
-from bst_fast.backends.configs import chunk_config, gather_config
+from bst_fast.backends.launch import chunk_config, gather_config
+from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
 
@@ -357,7 +360,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
     # (no activation) of the SwiGLU head's gate/up halves (float32 tables, unfused) and residual
     # (dtype tables), and its fused SwiGLU part (V=-1: float32 [gate | up], 2688 wide outputs)
     for V, widths in ((1000, [512]), (32000, [768, 768]), (3001, [200]), (0, [2688]), (0, [1024]), (-1, [2688])):
-        cfg = chunk_config("cuda", V or 1000, widths, dtype)
+        cfg = chunk_config("cuda", V or 1000, widths, dtype, SWITCHES)
         if V > 0:
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
                         (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
@@ -416,7 +419,7 @@ def test_compiles_for_cuda_sm90():
 
 
 def test_gather_config_names_its_kinds():
-    from bst_fast.backends.configs import SEGMENT_KINDS, gather_config
+    from bst_fast.backends.launch import SEGMENT_KINDS, gather_config
 
     with pytest.raises(ValueError, match=r"kind must be one of \('sum', 'act', 'swiglu'\), got 'gelu'"):
         gather_config("cuda", 512, "gelu")

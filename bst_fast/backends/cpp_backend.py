@@ -6,21 +6,23 @@ import torch
 from .. import _ext  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
 from .._pairs import Pairs
 from . import pair_loss_op
+from .runtime import LossOptions, fused_problem
+
+NAME = "cpp"
+FUSED = True
+
+pair_loss_op.register("bst_fast::pair_loss", NAME)
 
 
-pair_loss_op.register("bst_fast::pair_loss", "cpp")
+def supports(head, device: torch.device, dtype: torch.dtype):
+    # the head and dtype first: their advice ('torch') holds on any device
+    problem = fused_problem(NAME, head, dtype)
+    if problem is None and device.type != "cpu":
+        return f"backend={NAME!r} runs on the CPU; use backend='triton' for {device.type} tensors"
+    return problem
 
 
-def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float):
-    """The cpp backend: the split first layer in torch (autograd maps dA, dB to f, b, W1, c1),
-    everything per pair in the C++ engine."""
-    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) each
-    weights = [layer.weight.float() for layer in head.layers[1:]]
-    biases = [layer.bias.float() for layer in head.layers[1:]]
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
-    weight = p.scale if p.row is None else p.weight
-    loss = torch.ops.bst_fast.pair_loss(A, Bm, weights, biases, tokens, p.lengths, p.prefix_start,
-                                        p.min_gap, p.max_gap, p.row, p.i, p.j, weight,
-                                        float(next_weight), head.activation, need_grad,
-                                        meet_token=p.meet_token)[0]
-    return loss
+def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
+    """The split first layer in torch, everything per pair in the C++ engine (float32 layers)."""
+    args = pair_loss_op.text_head_arguments(f, b, tokens, head, pairs, options.next_weight, torch.float32)
+    return torch.ops.bst_fast.pair_loss(*args, meet_token=pairs.meet_token)[0]

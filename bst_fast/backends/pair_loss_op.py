@@ -9,13 +9,27 @@ after it (the last one (2V, hL)); row/i/j: None for all pairs (then weight is th
 every pair, or a (B,) scale per row: row_mean, §9) or an explicit list with one weight per pair;
 meet_token: both labels of the pairs with j - i = 1 (§8), needed by min_gap = 1. The op returns
 the loss and, with need_grad, every gradient in float32 (empty tensors without); autograd only
-scales them by grad_output, since the loss is the graph's last node.
+scales them by grad_output, since the loss is the graph's last node. `text_head_arguments` builds
+these arguments from a TextHead, the one place the fused backends read a head's layers.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+
+def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.dtype):
+    """The op's arguments (meet_token apart, a keyword) for a TextHead: its first layer split in torch
+    (autograd maps dA, dB to f, b, W1, c1), the later layers in `dtype`, the matrix operands' type
+    (autograd casts their gradients back), and need_grad when any of them needs a gradient."""
+    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
+    weights = [layer.weight.to(dtype) for layer in head.layers[1:]]
+    biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
+    weight = p.scale if p.row is None else p.weight
+    return (A, Bm, weights, biases, tokens, p.lengths, p.prefix_start, p.min_gap, p.max_gap, p.row, p.i, p.j,
+            weight, float(next_weight), head.activation, need_grad)
 
 
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
@@ -56,10 +70,10 @@ def _backward(backend, ctx, grad_loss, *_):
     if dA.numel() == 0:
         raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
     n = ctx.n_layers
+    grads = (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]], [grad_loss * c for c in rest[n:]])
     # one None per argument after the tensor lists: the dispatcher drops a trailing argument left at
     # its default (meet_token=None), and needs_input_grad has the arguments it kept
-    return (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]],
-            [grad_loss * c for c in rest[n:]]) + (None,) * (len(ctx.needs_input_grad) - 4)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
 def register(qualname: str, backend: str):

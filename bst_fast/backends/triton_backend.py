@@ -21,22 +21,29 @@ bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs t
 The loss is the graph's last node, so the forward computes every gradient and the backward only
 scales by grad_output (as the cpp backend does): no logits are recomputed. The work is the op
 bst_fast::triton_pair_loss, with the C++ op's schema and rules (pair_loss_op), so that opcheck and
-torch.compile(fullgraph=True) see it as one opaque node.
+torch.compile(fullgraph=True) see it as one opaque node. That schema has no place for the runtime
+switches: the op takes its chunk from the switches in force (runtime.SWITCHES), the ones a
+LossOptions gets by default.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
 
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
-from . import on_device, pair_loss_op
+from . import pair_loss_op, runtime
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import pair_cross_entropy_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
-from .configs import chunk_config
+from .launch import chunk_config
+from .runtime import LossOptions, fused_problem, on_device
+
+NAME = "triton"
+FUSED = True
 
 
 def _mm_f32(a, b):
@@ -51,7 +58,7 @@ def _mm_f32(a, b):
     return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 
-def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg):
+def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg):
     """Loss and (need) float32 gradients of A, B and every later layer, chunk by chunk.
 
     A, Bm: (B, L, h1) float32; tokens (B, L) int64; weights/biases: the layers after the first, in
@@ -69,9 +76,9 @@ def run(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float,
     dW = [torch.zeros(w.shape, **f32) for w in weights] if need else []
     dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
     loss = torch.zeros((), **f32)
-    loss_rows = torch.empty(max((c[1] for c in pl.chunks), default=1), **f32)
+    loss_rows = torch.empty(max((c.n for c in pl.chunks), default=1), **f32)
     for chunk in pl.chunks:
-        s0, n = chunk[:2]
+        s0, n = chunk.s0, chunk.n
         H = torch.empty(n, h1, dtype=dtype, device=dev)
         pair_hidden(A, Bm, pl, s0, n, H, act_id, cfg, up)
         Hs, Zs = [H], []
@@ -139,10 +146,10 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
               weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
-    cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype)
+    cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
     pl = pair_list(p, Bn, L, cfg["chunk"])
     with on_device(A.device):
-        loss, dA, dB, dW, dc = run(A, Bm, tokens, pl, [w.contiguous() for w in weights],
+        loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, [w.contiguous() for w in weights],
                                    [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype, cfg)
     if not need_grad:
         empty = lambda: A.new_empty(0)
@@ -150,22 +157,24 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     return loss, dA, dB, dW, dc
 
 
-pair_loss_op.register("bst_fast::triton_pair_loss", "triton")
+pair_loss_op.register("bst_fast::triton_pair_loss", NAME)
 
 
-def pair_loss(f, b, tokens, head, p: Pairs, next_weight: float, compute_dtype=None):
+def supports(head, device: torch.device, dtype: torch.dtype):
+    problem = fused_problem(NAME, head, dtype)
+    # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
+    if problem is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"backend={NAME!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
+                "use backend='cpp' on the CPU")
+    return problem
+
+
+def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), chunk by chunk.
 
     f, b: (B, L, m) float32/float16/bfloat16; tokens: (B, L) int64; head: a TextHead in f's dtype;
-    compute_dtype: the matrix products' operand type (default f's dtype; bf16 under autocast for an
-    fp32 model). Returns a 0-dim float32 loss."""
-    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
-    dtype = compute_dtype or f.dtype
-    weights = [layer.weight.to(dtype) for layer in head.layers[1:]]  # autograd casts dW back
-    biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
-    weight = p.scale if p.row is None else p.weight
-    return torch.ops.bst_fast.triton_pair_loss(A, Bm, weights, biases, tokens, p.lengths, p.prefix_start,
-                                               p.min_gap, p.max_gap, p.row, p.i, p.j, weight,
-                                               float(next_weight), head.activation, need_grad,
-                                               meet_token=p.meet_token)[0]
+    options.compute_dtype: the matrix products' operand type (None: f's dtype; bf16 under autocast
+    for an fp32 model). Returns a 0-dim float32 loss."""
+    dtype = options.compute_dtype or f.dtype
+    args = pair_loss_op.text_head_arguments(f, b, tokens, head, pairs, options.next_weight, dtype)
+    return torch.ops.bst_fast.triton_pair_loss(*args, meet_token=pairs.meet_token)[0]

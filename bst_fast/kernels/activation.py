@@ -14,7 +14,7 @@ from .._pairs import ACTIVATIONS
 
 ACT = {name: k for k, name in enumerate(ACTIVATIONS)}
 # No activation: the kernels then sum a pair's two rows and reduce plain gradients (the "torch"
-# backend's pair sums, backends/torch_backend.py), and skip the recompute of z.
+# backend's pair sums, backends/torch_chunks.py), and skip the recompute of z.
 # NO_ACT.value at a launch; NO_ACT itself in kernel code (a constexpr global).
 NO_ACT = tl.constexpr(len(ACTIVATIONS))
 # SwiGLU over a [gate | up] table (the residual SwiGLU head's gate/up projection): a pair's value is

@@ -48,8 +48,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
         # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the loss
         # is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
         # exp(zy - mx). For a confident model (the label on top, ey = 1) both keep the tiny ry
-        # whole; mx + log(se) - zy lost a 1e-5 loss to the rounding of mx near 50 (6%, and as much
-        # in every gradient).
+        # whole, which mx + log(se) - zy loses to the rounding of a large mx.
         mx = -float("inf")
         ry = 0.0
         for vb in range(0, V, BV):

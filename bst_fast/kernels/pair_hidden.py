@@ -14,7 +14,7 @@ fixed order and adds into dA / dB without atomics, so results are bitwise reprod
 one after another on the stream).
 
 With ACT = NO_ACT the same kernels are the "torch" backend's pair sums of a head's per-position
-parts (backends/torch_backend.py): H = A_ia + B_ib rounded once to H's dtype, and the plain segment
+parts (backends/torch_chunks.py): H = A_ia + B_ib rounded once to H's dtype, and the plain segment
 sums of dH (no z to recompute, so A and B are not read in the backward). With ACT = SWIGLU they are
 its swiglu parts: A and B are [gate | up] tables (2h wide), H = silu(g) * u with g, u the pair's
 two half sums, and the segment sums give both halves' gradients, dH * u * silu'(g) and
@@ -31,12 +31,11 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   per unit, against about 19 * es when gate and up are stored and combined by torch (written:
   gate, up, silu(gate), H, and three gradients; read back: 12), 16 KB against 102 KB per pair for
   the SwiGLU head at m=512 in bf16.
-- Launch shapes (backends/configs.py gather_config): the segment loop is latency-bound (slot ->
-  other row index -> row, dependent loads): more rows a loop step on fewer warps measured fastest.
+- Launch shapes (backends/launch.py gather_config): the segment loop is latency-bound (slot ->
+  other row index -> row, dependent loads), so it takes more rows a loop step on fewer warps.
   Activation and SWIGLU sums run 32 slots x 64 units on 2 warps: 127-168 registers (ptxas sm_90,
-  Triton 3.9), no spills, and on an H200 a third of the old 8 x 128 on 4 warps' time for SWIGLU
-  (bench/results/h200-run4).
-  Plain sums keep 16 x 128 on 4 warps (32-54 registers): see configs.py for why.
+  Triton 3.9), no spills. Plain sums 16 x 128 on 4 warps (32-54 registers). The timings behind
+  both: docs/backends.md ("Launch shapes").
 """
 import triton
 import triton.language as tl
@@ -174,11 +173,11 @@ def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
 
 
 def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
-    """dA, dB += scale * the chunk's prefix / suffix segment sums of dH * act'(A_ia + B_ib) (of dH
-    alone under NO_ACT, which reads neither A nor B; under SWIGLU the gate's and up's gradients,
-    dA and dB 2h wide). dH (n, h) contiguous; the rows of dA, dB (and of A, B where read) share a
-    stride, each row contiguous: dA may be a column slice of a wider table."""
-    s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk
+    """dA, dB += scale * the prefix / suffix segment sums, over `chunk` (a _pairs.Chunk), of
+    dH * act'(A_ia + B_ib) (of dH alone under NO_ACT, which reads neither A nor B; under SWIGLU the
+    gate's and up's gradients, dA and dB 2h wide). dH (n, h) contiguous; the rows of dA, dB (and of
+    A, B where read) share a stride, each row contiguous: dA may be a column slice of a wider table."""
+    s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk.s0, chunk.n, chunk.pre_lo, chunk.pre_hi, chunk.suf_lo, chunk.suf_hi
     h, ld = dH.shape[1], dA.stride(-2)
     wide = 2 * h if act == SWIGLU.value else h
     read = act != NO_ACT.value

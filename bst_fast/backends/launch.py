@@ -1,0 +1,55 @@
+"""Launch shapes of the GPU backends' Triton kernels, in one place, and the triton backend's chunk size.
+
+The measurements behind each shape are in docs/backends.md ("Launch shapes"). Under the interpreter
+(the CPU, tests) the blocks are small, so that every loop of every kernel runs.
+"""
+from __future__ import annotations
+
+import triton
+
+
+def chunk_config(device_type: str, V: int, widths, dtype, switches) -> dict:
+    """Chunk size and Triton block shapes for the triton backend; widths = hidden widths, h1 first;
+    switches: the runtime.Switches that set the chunk (its pairs, or its byte budget)."""
+    es = dtype.itemsize
+    # per pair: logits 2V; H of every hidden layer and Z of every one after the first (the first
+    # layer's z1 = A_i + B_j is recomputed); dH and dZ of the widest; the loss row (float32)
+    per_pair = es * (2 * V + sum(widths) + sum(widths[1:]) + 2 * max(widths)) + 4
+    chunk = switches.chunk_pairs or max(1, switches.triton_chunk_bytes // per_pair)
+    return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V))
+
+
+def ce_config(device_type: str, V: int) -> dict:
+    """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
+    if device_type == "cuda":
+        # at most 8 logits a thread: 16 sit at sm_90's register cap
+        BV = min(4096, triton.next_power_of_2(V))
+        return dict(BV=BV, ce_warps=max(4, BV // 256))
+    return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
+
+
+SEGMENT_KINDS = ("sum", "act", "swiglu")
+
+
+def gather_config(device_type: str, width: int, kind: str) -> dict:
+    """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide (for
+    "swiglu": outputs `width` wide). `kind` is what the segment sums read per slot besides dH:
+    "sum" nothing (NO_ACT), "act" the other side's row (an activation's z), "swiglu" its two
+    halves. BM, BK, hidden_warps shape the forward gather; BS, seg_BK, seg_warps the segment sums."""
+    if kind not in SEGMENT_KINDS:
+        raise ValueError(f"kind must be one of {SEGMENT_KINDS}, got {kind!r}")
+    if device_type == "cuda":
+        # The forward gather is memory-bound and fully parallel: 16 elements a thread (BM x BK over
+        # 4 warps) keeps registers low enough for several blocks per SM (the int64 row offsets
+        # double the registers of every gathered element); SWIGLU loads twice the tiles: BM=8.
+        rows = 8 if kind == "swiglu" else 16
+        # A segment sum is a serial loop over a segment's slots per program, bound by the latency of
+        # its dependent loads (slot -> the other side's row index -> its row): more programs
+        # resident and more rows a loop step pay, so "act" and "swiglu" run 32 x 64 on 2 warps.
+        # Plain sums keep 16 x 128 on 4 warps: the objectives that use them measured faster so.
+        seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
+        return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
+                    BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2])
+    # the interpreter: small blocks that still exercise every loop
+    return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), hidden_warps=4,
+                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4)

@@ -1,0 +1,123 @@
+"""What every backend takes at run time besides the tensors and the pair set.
+
+The options of a run (`LossOptions`), the process's runtime switches (`Switches`, read once from the
+environment into `SWITCHES`), the check that a fused engine can take a head, and the CUDA device
+guard of Triton launches.
+
+`SWITCHES` is the one place the switches live: tests and benchmarks change them with `switched`
+(or monkeypatch `runtime.SWITCHES`); a `LossOptions` made without switches takes the ones in force.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..head import TextHead
+
+
+def env_mb(name: str, default: float) -> int:
+    """Bytes from the environment variable `name`, in MB (a positive number), else `default` MB."""
+    text = os.environ.get(name)
+    try:
+        mb = default if text is None else float(text)
+    except ValueError:
+        mb = None
+    if mb is None or not mb > 0 or mb == float("inf"):
+        raise ValueError(f"{name} must be a positive number of MB, got {text!r}")
+    return max(1, int(mb * 2**20))
+
+
+def env_flag(name: str) -> bool:
+    """The environment variable `name` as a switch: unset or "0" is off, "1" is on."""
+    text = os.environ.get(name, "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+@dataclass(frozen=True)
+class Switches:
+    """How the chunked backends run; none changes what they compute (docs/backends.md)."""
+
+    # Bytes of one triton-backend chunk's working set (its H, Z and logits), BST_FAST_CHUNK_MB: GEMMs
+    # of tens of thousands of pairs at a small fraction of the materialised objective's memory.
+    triton_chunk_bytes: int = 256 * 2**20
+    # Bytes of one torch-backend chunk's pair values and logits on a GPU, BST_FAST_TORCH_CHUNK_MB: 52k
+    # pairs of a TextHead with h=512 at V=1000 in bf16, 23k of the SwiGLU head at m=512.
+    torch_chunk_bytes: int = 256 * 2**20
+    # The same on the CPU, where a smaller chunk stays in cache.
+    torch_cpu_chunk_bytes: int = 16 * 2**20
+    # A fixed number of pairs per chunk instead of the byte budgets, in both chunked backends (tests).
+    chunk_pairs: Optional[int] = None
+    # The torch backend's chunk engine (backends/torch_chunks.py): None takes the Triton kernels for
+    # CUDA tensors, True forces them (the CPU through TRITON_INTERPRET=1, tests), False the torch ops.
+    # float64 always takes the torch ops.
+    triton_ops: Optional[bool] = None
+    # torch.compile the torch backend's per-pair tail, forward and backward (BST_FAST_TORCH_COMPILE=1):
+    # off, since compiling takes seconds and was not measured faster by enough to pay for it.
+    compile_tail: bool = False
+    # A swiglu part (head.PairParts.swiglu) as one fused step: silu(gate) * up formed by the pair-sum
+    # engine from the float32 sums, its gradient from recomputed sums. Off
+    # (BST_FAST_TORCH_UNFUSED_SWIGLU=1): gate and up summed apart, rounded, then torch's silu and mul,
+    # kept to measure against the fused step.
+    fused_swiglu: bool = True
+
+    @classmethod
+    def from_environment(cls) -> "Switches":
+        return cls(triton_chunk_bytes=env_mb("BST_FAST_CHUNK_MB", 256),
+                   torch_chunk_bytes=env_mb("BST_FAST_TORCH_CHUNK_MB", 256),
+                   compile_tail=env_flag("BST_FAST_TORCH_COMPILE"),
+                   fused_swiglu=not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU"))
+
+
+# The switches in force: the environment's, read once when bst_fast is imported.
+SWITCHES = Switches.from_environment()
+
+
+@contextlib.contextmanager
+def switched(**changes):
+    """Runs the block with SWITCHES changed as named (Switches' fields), then restores them."""
+    global SWITCHES
+    old = SWITCHES
+    SWITCHES = dataclasses.replace(old, **changes)
+    try:
+        yield SWITCHES
+    finally:
+        SWITCHES = old
+
+
+def _switches_in_force() -> Switches:
+    return SWITCHES
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What a backend's run takes besides f, b, tokens, the head and the pair set."""
+
+    next_weight: float  # lambda: the Next cross-entropy's weight, Prev's 1 - lambda
+    vocab_size: int  # V: the head's output is 2V logits, Next first
+    # The matrix operands' dtype of a fused engine (the CUDA autocast dtype for an fp32 model), or None:
+    # the inputs' dtype. The other backends leave precision to the head and autocast.
+    compute_dtype: Optional[torch.dtype] = None
+    switches: Switches = dataclasses.field(default_factory=_switches_in_force)
+
+
+def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
+    """Why the fused engine `name` cannot take this head and dtype (None if it can): it computes a
+    TextHead in 32 or 16 bits."""
+    if not isinstance(head, TextHead):
+        return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
+    if dtype == torch.float64:
+        return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
+                "'torch' or 'reference'")
+    return None
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device, not the tensors': make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
