@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +28,10 @@ CHECKSUMS = "checksums.json"
 BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
 WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
 STEP_NAME = re.compile(r"step-(\d{8,})")  # what `latest` may name: a checkpoint in checkpoints/
+
+
+class NonFiniteWeights(ValueError):
+    """A model holds NaN or infinite weights: they are never saved (nor loaded)."""
 
 
 class CheckpointWriteError(OSError):
@@ -65,32 +70,39 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     checkpoint instead, checkpoints/best (best.json records the figure), which `latest` never names
     and pruning never touches.
 
-    Non-finite weights are refused (ValueError) before anything is written. A failed write (a full
-    disk) removes the partial folder and raises CheckpointWriteError; `latest` still names the
-    previous checkpoint."""
+    Non-finite weights are refused (NonFiniteWeights, a ValueError) before the checkpoint is put in
+    place. A failed write (a full disk) removes the partial folder and raises CheckpointWriteError;
+    `latest` still names the previous checkpoint."""
     from safetensors.torch import save_file
 
     weights = _unshared(model.state_dict())
-    bad = non_finite(weights)
-    if bad:
-        raise ValueError(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
     root = Path(out_dir) / "checkpoints"
     final = root / (BEST if best else f"step-{step:08d}")
     tmp = temporary_name(final)
+    # The checks and the hashing run on a second thread while the main one pickles the optimizer
+    # state (torch and hashlib release the GIL): verification adds little to a save's time.
+    pool = ThreadPoolExecutor(1)
     try:
+        finite = pool.submit(non_finite, weights)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file(weights, str(tmp / WEIGHTS))
+        hashes = {WEIGHTS: pool.submit(sha256, tmp / WEIGHTS)}
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "log": log}, tmp / STATE)
+        hashes[STATE] = pool.submit(sha256, tmp / STATE)
+        bad = finite.result()
+        if bad:
+            raise NonFiniteWeights(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
         if task is not None:
             task.save(tmp)
         if best:
             (tmp / BEST_JSON).write_text(json.dumps(best, indent=1))
         # hashed by reading back what was just written (the page cache: no disk read)
-        sums = {path.name: sha256(path) for path in tmp.iterdir()}
+        sums = {path.name: hashes[path.name].result() if path.name in hashes else sha256(path)
+                for path in tmp.iterdir()}
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
         for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
             fsync(path)
@@ -105,10 +117,15 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
             os.replace(tmp, final)
             atomic_write(root / "latest", lambda p: p.write_text(final.name))
         fsync(root)
+    except NonFiniteWeights:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except Exception as e:  # torch.save and safetensors report a short write as their own errors
         full = disk_full(e) or _out_of_room(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(root, step, e, full)) from e
+    finally:
+        pool.shutdown(wait=True)
     if not best:
         prune(root, final, keep)
     return final
