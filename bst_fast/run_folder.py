@@ -104,9 +104,9 @@ class RunFolder:
             raise ValueError(f"out_dir {out} cannot be used: {e.strerror or e} ({short(str(e))})") from None
 
     def claim(self):
-        """Takes the folder for this run: creates it, locks it (a second process stops here), removes
-        what a crashed save left and any earlier run's own files, and marks it. Call `check` first
-        and again after: another process may have changed the folder before the lock was taken."""
+        """Takes the folder for this run: creates it and locks it (a second process stops here). Call
+        `check` first and again after (another process may have changed the folder before the lock
+        was taken), then `start`."""
         self.path.mkdir(parents=True, exist_ok=True)
         self.lock()
 
