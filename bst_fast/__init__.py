@@ -15,7 +15,7 @@ from .data import (StarGraphData, StarGraphStream, StarGraphTokenizer, TextData,
                    path_accuracy, train_bpe)
 from .decode import Plan, beam_search, plan, sample
 from .head import ResidualSwiGLUHead, TextHead
-from .loss import BACKENDS, BeliefStateLoss, belief_state_loss
+from .loss import BACKENDS, BeliefStateLoss, belief_state_loss, separated_documents
 from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
 from .checkpoint import load_model
 from .config import TrainConfig
@@ -24,6 +24,7 @@ from .trainer import TrainingStopped, train
 __all__ = [
     # the loss
     "TextHead", "ResidualSwiGLUHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS",
+    "separated_documents",
     # training
     "train", "TrainConfig", "ModelConfig", "BeliefStateTransformer", "ForwardOnly", "TrainingStopped",
     "load_model",

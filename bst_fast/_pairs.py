@@ -1,8 +1,8 @@
-"""Pair set, labels, weights and input checks of docs/contract.md §2, §4, §5, §8 and §9: the shared math every backend calls."""
+"""Pair set, labels, weights and input checks of docs/contract.md §2, §4, §5, §8, §9 and §10: the shared math every backend calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -33,32 +33,69 @@ class Pairs:
     weight: Optional[torch.Tensor] = None  # (n,) float64; backends cast to their accumulation dtype
     # both labels of a pair with j - i = 1 (docs/contract.md §8); None whenever min_gap >= 2 (no such pair)
     meet_token: Optional[int] = None
+    # packed rows (docs/contract.md §10): (first, last), each (B, L) int64, the lowest and highest j
+    # the documents let prefix (r, i) pair with; None when a row is one document
+    bounds: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
-def prefix_counts(lengths, prefix_start, min_gap, max_gap, L):
-    """(B, L): the number of valid j's of each prefix (r, i); its valid j's are i + min_gap onwards."""
-    i = torch.arange(L, device=lengths.device)  # (L,)
-    last = torch.minimum(i[None] + max_gap, lengths[:, None] - 1)  # (B, L): highest valid j
-    n_j = (last - i[None] - min_gap + 1).clamp(min=0)
-    return n_j * (i[None] >= prefix_start[:, None])
+def j_range(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
+    """(lo, hi), each (B, L): prefix (r, i) pairs with every j in [lo, hi] (none when hi < lo or
+    i < prefix_start[r], which leaves hi < lo): gaps, the row's length and its documents' bounds."""
+    i = torch.arange(L, device=lengths.device)[None]  # (1, L)
+    lo = (i + min_gap).expand(lengths.shape[0], L)
+    hi = torch.minimum(i + max_gap, lengths[:, None] - 1)  # (B, L)
+    if bounds is not None:
+        lo, hi = torch.maximum(lo, bounds[0]), torch.minimum(hi, bounds[1])
+    # a prefix before prefix_start pairs with nothing: an empty range
+    return lo, torch.where(i >= prefix_start[:, None], hi, lo - 1)
 
 
-def pair_counts(lengths, prefix_start, min_gap, max_gap, L):
-    """|P_r| for every row, without enumerating the pairs: sum over i of the valid j's."""
-    return prefix_counts(lengths, prefix_start, min_gap, max_gap, L).sum(1)
+def prefix_counts(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
+    """(B, L): the number of valid j's of each prefix (r, i), the j's of j_range."""
+    lo, hi = j_range(lengths, prefix_start, min_gap, max_gap, L, bounds)
+    return (hi - lo + 1).clamp(min=0)
 
 
-def pair_mask(lengths, prefix_start, min_gap, max_gap, L):
-    """(B, L, L) bool: mask[r, i, j] is True exactly for (i, j) in P_r (docs/contract.md §2)."""
-    i = torch.arange(L, device=lengths.device)[None, :, None]
+def pair_counts(lengths, prefix_start, min_gap, max_gap, L, documents=None):
+    """|P_r| for every row, without enumerating the pairs: sum over i of the valid j's (packed
+    rows: `documents` as belief_state_loss takes them, docs/contract.md §10)."""
+    bounds = None if documents is None else document_bounds(documents, lengths, L)
+    return prefix_counts(lengths, prefix_start, min_gap, max_gap, L, bounds).sum(1)
+
+
+def pair_mask(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
+    """(B, L, L) bool: mask[r, i, j] is True exactly for (i, j) in P_r (docs/contract.md §2, §10)."""
+    lo, hi = j_range(lengths, prefix_start, min_gap, max_gap, L, bounds)
     j = torch.arange(L, device=lengths.device)[None, None, :]
-    gap = j - i
-    return (
-        (i >= prefix_start[:, None, None])
-        & (gap >= min_gap)
-        & (gap <= max_gap)
-        & (j <= lengths[:, None, None] - 1)
-    )
+    return (j >= lo[:, :, None]) & (j <= hi[:, :, None])
+
+
+def separated_documents(tokens, separator: int):
+    """(prefix_ids, suffix_ids) of rows packed the official way (docs/contract.md §10): documents
+    joined by a separator token (the EOS), which ends one document for the suffix side and starts
+    the next for the prefix side, so a pair never has a separator strictly between i and j."""
+    if not torch.is_tensor(tokens) or tokens.dim() != 2:
+        _fail(ValueError, f"tokens must be a (B, L) tensor of ids, got "
+                          f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+    prefix_ids = torch.cumsum(tokens == separator, dim=1)
+    suffix_ids = torch.cat([torch.zeros_like(prefix_ids[:, :1]), prefix_ids[:, :-1]], dim=1)
+    return prefix_ids, suffix_ids
+
+
+def document_bounds(documents, lengths, L):
+    """(first, last), each (B, L) int64: the j's whose suffix document is prefix (r, i)'s document
+    (docs/contract.md §10). `documents` is one (B, L) tensor of ids (prefix and suffix sides alike)
+    or a (prefix_ids, suffix_ids) pair; each side's ids are non-decreasing along a row's valid
+    positions (checked by check_documents), so the j's of one id form one run, found by binary search."""
+    prefix_ids, suffix_ids = documents if isinstance(documents, (tuple, list)) else (documents, documents)
+    valid = torch.arange(L, device=lengths.device)[None] < lengths[:, None]
+    # padding sorts last and matches no prefix (j <= lengths - 1 excludes it anyway)
+    top = torch.iinfo(torch.int64).max
+    suffix_ids = suffix_ids.long().masked_fill(~valid, top).contiguous()
+    prefix_ids = prefix_ids.long().masked_fill(~valid, top - 1).contiguous()
+    first = torch.searchsorted(suffix_ids, prefix_ids, right=False)
+    last = torch.searchsorted(suffix_ids, prefix_ids, right=True) - 1
+    return first, last
 
 
 def labels(tokens, row, i, j, meet_token=None):
@@ -82,13 +119,28 @@ def flat_pairs(p: Pairs, L: int):
     if p.row is not None:
         return p.row * L + p.i, p.row * L + p.j, p.weight
     dev = p.lengths.device
-    counts = prefix_counts(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).reshape(-1)  # (B*L,)
+    lo, hi = j_range(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L, p.bounds)
+    counts = (hi - lo + 1).clamp(min=0).reshape(-1)  # (B*L,)
     total = int(counts.sum())
     first = counts.cumsum(0) - counts  # slot of each prefix's first pair
     ia = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=total)
-    # the k-th pair of prefix (r, i) has j = i + min_gap + k
-    ib = ia + p.min_gap + (torch.arange(total, device=dev) - first[ia])
+    # the k-th pair of prefix (r, i) has j = lo[r, i] + k
+    step = (lo - torch.arange(L, device=dev)).reshape(-1)  # lo - i: min_gap without documents
+    ib = ia + step[ia] + (torch.arange(total, device=dev) - first[ia])
     return ia, ib, None if p.scale.dim() == 0 else p.scale[ia // L]
+
+
+def listed(p: Pairs, L: int) -> Pairs:
+    """The pair set as an explicit (row, i, j) list with one weight per pair: how the fused ops'
+    shared schema (backends/pair_loss_op.py) takes the all-pairs set of packed rows."""
+    if p.row is not None:
+        return p
+    ia, ib, weight = flat_pairs(p, L)
+    if weight is None:
+        weight = p.scale.expand(ia.shape)
+    return Pairs(lengths=p.lengths, prefix_start=p.prefix_start, min_gap=p.min_gap, max_gap=p.max_gap,
+                 scale=torch.ones((), dtype=torch.float64, device=ia.device), row=ia // L, i=ia % L,
+                 j=ib % L, weight=weight, meet_token=p.meet_token)
 
 
 class Chunk(NamedTuple):
@@ -187,6 +239,26 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     return row.to(lengths.device), i.to(lengths.device), j.to(lengths.device)
 
 
+def sample_listed(p: Pairs, L: int, k, generator=None):
+    """k[r] pairs of row r, uniform without replacement (docs/contract.md §5), from the enumerated
+    pair set of `p` (packed rows, §10: the C++ sampler walks a row's triangle, not its documents).
+    Every pair draws a uniform key; a row keeps its k[r] smallest keys. O(|P| log |P|) work and
+    memory, on p's device."""
+    ia, ib, _ = flat_pairs(p, L)
+    dev = ia.device
+    gen_dev = generator.device if generator is not None else "cpu"
+    keys = torch.rand(ia.numel(), generator=generator, device=gen_dev, dtype=torch.float64).to(dev)
+    row = ia // L
+    # row + key sorts by row, then by key within the row (rows < 2**31 keep 21 bits of the key)
+    order = torch.sort(row.double() + keys).indices
+    row_sorted = row[order]
+    start = _exclusive_cumsum(torch.bincount(row, minlength=p.lengths.numel()))[:-1]
+    rank = torch.arange(ia.numel(), device=dev) - start[row_sorted]
+    keep = order[rank < k[row_sorted]]
+    keep = keep.sort().values  # back in (row, i, j) order
+    return row[keep], ia[keep] % L, ib[keep] % L
+
+
 def _fail(cls, msg):
     raise cls(msg)
 
@@ -248,8 +320,34 @@ def check_f(f):
         _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
 
 
+def check_documents(documents, lengths, B, L, device):
+    """`documents` (docs/contract.md §10) is a (B, L) integer tensor of document ids, or a
+    (prefix_ids, suffix_ids) pair of them, on `device`; each non-decreasing along every row's valid
+    positions (one run per document: a run never comes back)."""
+    sides = documents if isinstance(documents, (tuple, list)) else (documents,)
+    if isinstance(documents, (tuple, list)) and len(documents) != 2:
+        _fail(ValueError, f"documents must be a (B, L) tensor of ids or a (prefix_ids, suffix_ids) pair, "
+                          f"got a {type(documents).__name__} of {len(documents)}")
+    names = ["documents"] if len(sides) == 1 else ["documents[0] (prefix ids)", "documents[1] (suffix ids)"]
+    for name, ids in zip(names, sides):
+        if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            _fail(ValueError, f"{name} must be a (B, L) integer tensor of document ids, got "
+                              + (f"{ids.dtype}" if torch.is_tensor(ids) else type(ids).__name__))
+        if tuple(ids.shape) != (B, L):
+            _fail(ValueError, f"{name} must have shape (B, L) = ({B}, {L}) to match f, got {tuple(ids.shape)}")
+        if ids.device != device:
+            _fail(ValueError, f"{name} must be on the device of f ({device}), got {ids.device}")
+        t = torch.arange(1, L, device=device)[None]
+        down = (ids[:, 1:] < ids[:, :-1]) & (t < lengths[:, None])
+        if bool(down.any()):
+            r, t = (int(x) for x in down.nonzero()[0])
+            _fail(ValueError, f"{name} must be non-decreasing along each row's valid positions (one run of ids "
+                              f"per document, in order; documents never overlap or interleave), got "
+                              f"{name}[{r}, {t + 1}] = {int(ids[r, t + 1])} after {int(ids[r, t])}")
+
+
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
-            next_weight, reduction, generator, meet_token=None, op_checks=False) -> Pairs:
+            next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False) -> Pairs:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
@@ -299,7 +397,11 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     min_gap = min(min_gap, max(L, 2))
     gmax = L if max_gap is None else min(max_gap, L)
     gmax = max(gmax, min_gap)
-    counts = pair_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L)
+    bounds = None
+    if documents is not None:
+        check_documents(documents, lengths, B, L, dev)
+        bounds = document_bounds(documents, lengths, L)
+    counts = prefix_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L, bounds).sum(1)
     total = counts.sum()
     # A compiled graph skips these checks (the op repeats them), unless pairs are sampled: the
     # sampler runs first, here, its work growing with the lengths, and it synchronises anyway.
@@ -322,7 +424,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     prefix_start = prefix_start.clamp(max=L)
     # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax,
-                  meet_token=meet_token if min_gap == 1 else None)
+                  meet_token=meet_token if min_gap == 1 else None, bounds=bounds)
 
     if pairs is None:
         if reduction == "row_mean":  # docs/contract.md §9: 1 / (|P_r| B); a row with no pair weighs nothing
@@ -352,11 +454,15 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         gap = j - i
         ok = in_batch & (i >= 0) & (i < L) & (j >= 0) & (j < L) & (i >= prefix_start[rc]) \
             & (gap >= min_gap) & (gap <= gmax) & (j <= lengths[rc] - 1)
+        if bounds is not None:  # §10: j in the suffix run of prefix i's document
+            ic = i.clamp(0, L - 1)
+            ok = ok & (j >= bounds[0][rc, ic]) & (j <= bounds[1][rc, ic])
         if checking and not bool(ok.all()):
             k = int((~ok).nonzero()[0])
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
                               f"docs/contract.md §2 needs 0 <= row < {B}, prefix_start <= i and "
-                              f"i + min_gap <= j <= min(i + max_gap, lengths[row] - 1)")
+                              f"i + min_gap <= j <= min(i + max_gap, lengths[row] - 1)"
+                              + (", and §10 i and j in one document" if bounds is not None else ""))
         if reduction == "row_mean":  # docs/contract.md §9: 1 / (n_r B), n_r the pairs listed for row r
             listed = torch.bincount(rc, minlength=B)
             weight = 1.0 / (listed[rc].double() * B)
@@ -376,7 +482,10 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
         k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
-    row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
+    if bounds is None:
+        row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
+    else:
+        row, i, j = sample_listed(Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), **common), L, k, generator)
     # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs of
     # weight w_r: 1/|P| (mean), 1 (sum) or 1 / (|P_r| B) (row_mean, §9), which leaves 1 / (k_r B).
     if reduction == "row_mean":

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from . import _pairs
+from ._pairs import separated_documents  # noqa: F401  (public: the official packed layout's documents)
 from .backends import NAMES, pick
 from .backends.runtime import LossOptions
 
@@ -49,10 +50,10 @@ def _check_head(head, f):
 
 def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, head: nn.Module, *,
                       lengths=None, prefix_start=0, min_gap: int = 2, max_gap: Optional[int] = None,
-                      meet_token: Optional[int] = None, pairs=None, next_weight: float = 0.5,
+                      meet_token: Optional[int] = None, documents=None, pairs=None, next_weight: float = 0.5,
                       reduction: str = "mean", generator: Optional[torch.Generator] = None,
                       backend: str = "auto", deterministic: bool = False) -> torch.Tensor:
-    """The Belief State Transformer objective over prefix/suffix pairs (docs/contract.md §2-§5, §8, §9).
+    """The Belief State Transformer objective over prefix/suffix pairs (docs/contract.md §2-§5, §8-§10).
 
     Args:
         f: (B, L, m) forward-encoder states; f[r, i] has read tokens[r, :i+1].
@@ -66,6 +67,11 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
             meet_token; max_gap None is no limit.
         meet_token: None, or the token id in [0, V) that is both labels of a pair with j - i = 1
             (docs/contract.md §8; the official single-gap 'eos' mode is the EOS id). Needed by min_gap=1.
+        documents: None (a row is one document), or packed rows (docs/contract.md §10): a (B, L) integer
+            tensor of document ids, non-decreasing along each row's valid positions, a pair (i, j)
+            taking both ends in one document; or a (prefix_ids, suffix_ids) pair of such tensors, a
+            pair taking prefix_ids[r, i] == suffix_ids[r, j] (the official layout, where a separator
+            ends one document and starts the next: `separated_documents`).
         pairs: None (all pairs), a float fraction or an int count of pairs per row (unbiased subsample,
             docs/contract.md §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
@@ -87,7 +93,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1], f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, meet_token=meet_token, op_checks=chosen.FUSED)
+                       generator=generator, meet_token=meet_token, documents=documents, op_checks=chosen.FUSED)
     tokens = tokens.long()
     if not chosen.FUSED:
         return chosen.run(f, b, tokens, head, p, LossOptions(next_weight=next_weight, vocab_size=V))
@@ -106,7 +112,7 @@ class BeliefStateLoss(nn.Module):
 
     def __init__(self, head: nn.Module, **options):
         super().__init__()
-        bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "meet_token", "pairs",
+        bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "meet_token", "documents", "pairs",
                               "next_weight", "reduction", "generator", "backend", "deterministic"}
         if bad:
             raise ValueError(f"BeliefStateLoss got unknown options {sorted(bad)}")

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int
-from ._pairs import full_lengths
+from ._pairs import check_documents, full_lengths
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -162,12 +162,24 @@ def reverse_valid(tokens, lengths):
     return torch.where(t < lengths[:, None], out, tokens), idx
 
 
-def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None):
-    """Plain next-token CE of lm_head(f_i) against tokens[i+1] over positions prefix_start <= i <= len - 2."""
+def document_sides(documents):
+    """(prefix_ids, suffix_ids) of belief_state_loss's `documents` (docs/contract.md §10): one
+    (B, L) tensor serves both encoders, a pair gives the forward and the backward encoder their own."""
+    if documents is None or not isinstance(documents, (tuple, list)):
+        return documents, documents
+    return tuple(documents)
+
+
+def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None, documents=None):
+    """Plain next-token CE of lm_head(f_i) against tokens[i+1] over positions prefix_start <= i <= len - 2
+    (packed rows: where i and i + 1 are in one document, the pair (i, i + 1) of §10)."""
     L = tokens.shape[1]
     i = torch.arange(L - 1, device=tokens.device)[None]
     ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
     mask = (i >= ps) & (i <= lengths[:, None] - 2)  # (B, L-1)
+    if documents is not None:
+        prefix_ids, suffix_ids = document_sides(documents)
+        mask = mask & (prefix_ids[:, :-1] == suffix_ids[:, 1:])
     ce = F.cross_entropy(lm_head(f[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
     if total is None:
         total = mask.sum()
@@ -209,8 +221,9 @@ class BeliefStateTransformer(nn.Module):
             self.head.tie(self.forward_encoder.tok)
 
     def prefix_states(self, tokens, documents=None):
-        """f: (B, L, m); f[r, i] has read tokens[r, 0..i] (packed rows: from its document's start)."""
-        return self.forward_encoder(tokens, segment=0, documents=documents)
+        """f: (B, L, m); f[r, i] has read tokens[r, 0..i] (packed rows: from its document's start;
+        `documents` as belief_state_loss takes them)."""
+        return self.forward_encoder(tokens, segment=0, documents=document_sides(documents)[0])
 
     def suffix_states(self, tokens, lengths=None, documents=None):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards;
@@ -224,6 +237,7 @@ class BeliefStateTransformer(nn.Module):
         rev, idx = reverse_valid(tokens, lengths)
         # Reversed, a packed row's documents each read from their own end (the mask and positions
         # follow the reversed ids); the order of the documents does not matter.
+        documents = document_sides(documents)[1]
         rev_docs = None if documents is None else documents.gather(1, idx)
         if self.backward_encoder is None:
             states = self.forward_encoder(rev, segment=1, documents=rev_docs)
@@ -246,9 +260,10 @@ class BeliefStateTransformer(nn.Module):
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, pairs=None, next_weight=0.5, gamma=0.0,
                 generator=None, pair_total=None, token_total=None, backend="auto", min_gap=2, max_gap=None,
-                meet_token=None, reduction="mean", row_total=None):
+                meet_token=None, reduction="mean", row_total=None, documents=None):
         """Losses of a batch: dict(total, belief, gpt). The belief loss's options (pairs, min_gap,
-        max_gap, meet_token, next_weight, reduction "mean" or "row_mean") are belief_state_loss's.
+        max_gap, meet_token, documents, next_weight, reduction "mean" or "row_mean") are
+        belief_state_loss's; with `documents` (packed rows) the encoders read each document alone.
         pair_total / token_total / row_total replace the batch's own pair, token and row counts as
         the mean's divisor (set by the trainer, so that ranks and micro-batches average exactly)."""
         if reduction not in ("mean", "row_mean"):
@@ -260,12 +275,15 @@ class BeliefStateTransformer(nn.Module):
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
-            f = self.prefix_states(tokens)
-            b = self._suffix_states(tokens, lengths)
+            if documents is not None:  # the encoders' masks trust the ids: check them first
+                check_documents(documents, lengths, *tokens.shape, tokens.device)
+            f = self.prefix_states(tokens, documents)
+            b = self._suffix_states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
-                                       min_gap=min_gap, max_gap=max_gap, meet_token=meet_token, pairs=pairs,
+                                       min_gap=min_gap, max_gap=max_gap, meet_token=meet_token,
+                                       documents=documents, pairs=pairs,
                                        next_weight=next_weight, reduction=red, generator=generator, backend=backend)
         if red == "sum":
             belief = belief / pair_total
@@ -273,7 +291,7 @@ class BeliefStateTransformer(nn.Module):
             belief = belief * (tokens.shape[0] / row_total)
         out = {"belief": belief, "gpt": None, "total": belief}
         if self.gpt is not None and gamma > 0:
-            out["gpt"] = next_token_loss(self.gpt, f, tokens, lengths, prefix_start, token_total)
+            out["gpt"] = next_token_loss(self.gpt, f, tokens, lengths, prefix_start, token_total, documents)
             out["total"] = gamma * out["gpt"] + (1 - gamma) * belief
         return out
 
@@ -288,9 +306,12 @@ class ForwardOnly(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         _init_weights(self)
 
-    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **_):
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
-        loss = next_token_loss(self.lm_head, self.forward_encoder(tokens), tokens, lengths, prefix_start, token_total)
+        if documents is not None:
+            check_documents(documents, lengths, *tokens.shape, tokens.device)
+        f = self.forward_encoder(tokens, documents=document_sides(documents)[0])
+        loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total, documents)
         return {"total": loss, "gpt": loss, "belief": None}
 
 
@@ -308,7 +329,10 @@ class Teacherless(ForwardOnly):
         ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
         return tokens.masked_fill((i > ps) & (i < lengths[:, None]), self.dummy_id)
 
-    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, **_):
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **_):
+        if documents is not None:
+            raise ValueError("documents (packed rows) are not supported by the teacherless model: "
+                             "its answer spans one row")
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)

@@ -1,4 +1,4 @@
-"""The executable spec: the belief-state loss with every pair materialised, plain autograd (docs/contract.md §2-§5, §8, §9)."""
+"""The executable spec: the belief-state loss with every pair materialised, plain autograd (docs/contract.md §2-§5, §8-§10)."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +21,7 @@ def run(f, b, tokens, head, p: Pairs, options):
     next_weight, vocab_size = options.next_weight, options.vocab_size
     if p.row is None:
         L = f.shape[1]
-        row, i, j = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L).nonzero(as_tuple=True)
+        row, i, j = pair_mask(p.lengths, p.prefix_start, p.min_gap, p.max_gap, L, p.bounds).nonzero(as_tuple=True)
         # one weight for every pair, or each row's own (row_mean)
         weight = p.scale.expand(row.shape) if p.scale.dim() == 0 else p.scale[row]
     else:

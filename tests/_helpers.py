@@ -191,3 +191,24 @@ def bf16_head_draw(seed):
         for name, q in head.named_parameters():
             q.copy_(torch.randn(q.shape) * 0.6 + (1.0 if name == "norm.weight" else 0.0))
     return f, b, tokens, head.bfloat16()
+
+
+def brute_force(f, b, tokens, head, chosen, weights, meet_token, next_weight):
+    """sum of w * (lambda CE(next) + (1 - lambda) CE(prev)) over the chosen (r, i, j), one pair at a
+    time, from the contract's definitions (not from reference.py); a pair with j - i = 1 takes
+    meet_token as both labels (docs/contract.md §8)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for (r, i, j), w in zip(chosen, weights):
+        z = head(torch.cat([f[r, i], b[r, j]]))
+        V = z.shape[0] // 2
+        y_next, y_prev = (meet_token, meet_token) if j - i == 1 else (int(tokens[r, i + 1]), int(tokens[r, j - 1]))
+        ce_next = torch.logsumexp(z[:V], 0) - z[y_next]
+        ce_prev = torch.logsumexp(z[V:], 0) - z[V + y_prev]
+        total = total + w * (next_weight * ce_next + (1 - next_weight) * ce_prev)
+    return total
+
+
+def grads_of(loss, f, b, head, go):
+    """[loss, d(go * loss)/df, /db, / every head parameter]."""
+    return [loss.detach()] + list(torch.autograd.grad(loss, [f, b, *head.parameters()],
+                                                      grad_outputs=torch.tensor(go, dtype=loss.dtype)))

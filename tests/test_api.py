@@ -55,7 +55,7 @@ def test_train_is_the_function_when_a_submodule_is_imported_first():
 
 
 EXPORTS = {
-    "TextHead", "ResidualSwiGLUHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS",
+    "TextHead", "ResidualSwiGLUHead", "belief_state_loss", "BeliefStateLoss", "BACKENDS", "separated_documents",
     "train", "TrainConfig", "ModelConfig", "BeliefStateTransformer", "ForwardOnly", "TrainingStopped", "load_model",
     "sample", "plan", "Plan", "beam_search",
     "StarGraphTokenizer", "StarGraphData", "StarGraphStream", "path_accuracy", "TextData", "train_bpe",

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from _helpers import TOL, make_head, random_grad_out, rel_err, switch
+from _helpers import TOL, brute_force, grads_of, make_head, random_grad_out, rel_err, switch
 from bst_fast import BeliefStateLoss, belief_state_loss
 from bst_fast import _pairs
 
@@ -101,24 +101,6 @@ def chosen_pairs(case, f, b, tokens):
             w = 1.0 / (n_r[r] * B)
         weights.append(w)
     return chosen, weights
-
-
-def brute_force(f, b, tokens, head, chosen, weights, meet_token, next_weight):
-    """sum of w * (lambda CE(next) + (1 - lambda) CE(prev)), one pair at a time; a pair with j - i = 1
-    takes meet_token as both labels (docs/contract.md §8)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for (r, i, j), w in zip(chosen, weights):
-        z = head(torch.cat([f[r, i], b[r, j]]))
-        y_next, y_prev = (meet_token, meet_token) if j - i == 1 else (int(tokens[r, i + 1]), int(tokens[r, j - 1]))
-        ce_next = torch.logsumexp(z[:V], 0) - z[y_next]
-        ce_prev = torch.logsumexp(z[V:], 0) - z[V + y_prev]
-        total = total + w * (next_weight * ce_next + (1 - next_weight) * ce_prev)
-    return total
-
-
-def grads_of(loss, f, b, head, go):
-    return [loss.detach()] + list(torch.autograd.grad(loss, [f, b, *head.parameters()],
-                                                      grad_outputs=torch.tensor(go, dtype=loss.dtype)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,11 +18,15 @@ import functools
 
 import torch
 
+from .. import _pairs
+
 
 def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.dtype):
     """The op's arguments (meet_token apart, a keyword) for a TextHead: its first layer split in torch
     (autograd maps dA, dB to f, b, W1, c1), the later layers in `dtype`, the matrix operands' type
     (autograd casts their gradients back), and need_grad when any of them needs a gradient."""
+    if p.bounds is not None:  # packed rows (docs/contract.md §10): the schema takes their pairs listed
+        p = _pairs.listed(p, f.shape[1])
     A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
     weights = [layer.weight.to(dtype) for layer in head.layers[1:]]
     biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
