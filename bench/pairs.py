@@ -1,4 +1,4 @@
-"""Throughput of the all-pairs belief-state loss: bst_fast against the materialised objective and its torch.compile.
+"""Throughput of the all-pairs belief-state loss: bst_fast against the materialised objective, the leanest naive and their torch.compile.
 
     python bench/pairs.py                      # CPU defaults: B=4, m=h=256, V=1000, float32, T in 32..512
     python bench/pairs.py --device cuda --dtype bfloat16 --hidden 512 --layers 2 3 --vocab 1000 32000 --batch 32
@@ -11,6 +11,12 @@ always; for swiglu its Down projection and lm_head, 2m hidden + m 2V, the gate/u
 per token) and the peak memory growth of one run, gradients included (every backend starts with
 none); prints a table, writes bench/results/<device>.json (<device>-<heads>.json for other heads)
 and a PNG plot beside it (if matplotlib is installed).
+
+The peers, all on the same f, b, tokens and head: "materialised" (bst_fast.reference.run on a
+(row, i, j) list with per-pair weights), "lean naive" (one triu (i, j) list shared by the rows,
+sliced, two F.cross_entropy calls), their torch.compile, and "official+liger" (the official
+implementation's row-by-row batches with Liger's fused linear cross-entropy; only where
+liger-kernel is installed: `pip install .[bench]`).
 
 --head mlp is TextHead (--hidden, --layers); --head swiglu is ResidualSwiGLUHead (the official BST
 head, SwiGLU width from --swiglu-hidden or its default 8*2m/3 rounded to 128). The materialised
@@ -41,6 +47,7 @@ from bst_fast.backends import NAMES, module, torch_backend  # noqa: E402
 from bst_fast.backends.runtime import LossOptions  # noqa: E402
 from bst_fast import reference  # noqa: E402
 from bst_fast._pairs import Pairs, pair_counts, pair_mask  # noqa: E402
+from bst_fast.head import activation  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,6 +136,46 @@ def mm_rate(device, dtype, k, n, m=4096, inner=50):
             a @ w
     sec, _ = timed(many, device, 5)
     return 2 * m * k * n * inner / sec / 1e9
+
+
+def lean(f, b, tokens, head, i, j, vocab_size):
+    """The leanest naive a user writes for full rows: one (i, j) list shared by every row
+    (triu_indices), the pair inputs gathered by slicing, no per-pair row index or weight, and one
+    cross-entropy call for each head's mean."""
+    x = torch.cat([f[:, i], b[:, j]], dim=-1)  # (B, pairs, 2m)
+    z = head(x).float()
+    V = vocab_size
+    ce_next = torch.nn.functional.cross_entropy(z[..., :V].reshape(-1, V), tokens[:, i + 1].reshape(-1))
+    ce_prev = torch.nn.functional.cross_entropy(z[..., V:].reshape(-1, V), tokens[:, j - 1].reshape(-1))
+    return 0.5 * ce_next + 0.5 * ce_prev
+
+
+def official(f, b, tokens, head, i, j, vocab_size, pair_batch=65536):
+    """The official implementation's method (microsoft/BST BST.compute_loss): one row at a time, its
+    pairs materialised in batches of `pair_batch`, the head's layers up to its output layer in torch
+    and Liger's fused linear cross-entropy for the output layer, Next and Prev halves apart.
+    None when liger-kernel is not installed or the head is not a TextHead."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    if not isinstance(head, TextHead):
+        return None
+    flce = LigerFusedLinearCrossEntropyLoss()
+    out, V = head.layers[-1], vocab_size
+    total = 0.0
+    for r in range(f.shape[0]):
+        for s in range(0, i.numel(), pair_batch):
+            x = torch.cat([f[r, i[s:s + pair_batch]], b[r, j[s:s + pair_batch]]], dim=-1)
+            x = head.layers[0](x)
+            for layer in head.layers[1:-1]:
+                x = layer(activation(head.activation, x))
+            x = activation(head.activation, x)
+            y_next, y_prev = tokens[r, i[s:s + pair_batch] + 1], tokens[r, j[s:s + pair_batch] - 1]
+            share = x.shape[0] / (i.numel() * f.shape[0])  # each batch's mean, weighed to the batch mean
+            total = total + share * 0.5 * (flce(out.weight[:V], x, y_next, out.bias[:V])
+                                           + flce(out.weight[V:], x, y_prev, out.bias[V:]))
+    return total
 
 
 def materialised(f, b, tokens, head, row, i, j, scale, vocab_size):
@@ -275,6 +322,34 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
     record("materialised", mat(materialised), reps)
     if compiled is not None:
         record("torch.compile", mat(compiled), reps)
+    # the peers of issue 23, on the rows' one (i, j) list
+    ti, tj = i[row == 0], j[row == 0]
+
+    # the peers compute the materialised objective: checked once before they are timed
+    with torch.no_grad():
+        want = materialised(f, b, tokens, head, row, i, j, scale, V).double()
+        peers = [("lean naive", lean(f, b, tokens, head, ti, tj, V))]
+        liger = official(f, b, tokens, head, ti, tj, V)
+        peers += [] if liger is None else [("official+liger", liger)]
+        for method, got in peers:
+            rel = abs(got.double() - want).item() / abs(want).item()
+            if rel > (1e-4 if dtype == torch.float32 else 3e-2):
+                raise SystemExit(f"{method} computes {got.item()}, the materialised objective {want.item()} (rel {rel:.1e})")
+
+    def peer(fn):
+        def step():
+            f.grad = b.grad = None
+            head.zero_grad(set_to_none=True)
+            fn(f, b, tokens, head, ti, tj, V).backward()
+        return step
+
+    record("lean naive", peer(lean), reps)
+    if compiled is not None:
+        record("lean naive+compile", peer(torch.compile(lean, dynamic=True)), reps)
+    if liger is None:
+        note("official+liger", "not applicable: needs liger-kernel (pip install .[bench]) and a TextHead")
+    else:
+        record("official+liger", peer(official), reps)
     return rows
 
 
@@ -371,7 +446,7 @@ def main(argv=None):
         rate = rates[rate_key(kind, V)[1]]
         for backend in dict.fromkeys(r["method"] for r in rows if r["head"] == kind):
             fused = at.get(backend)
-            if not fused or backend in ("materialised", "torch.compile") or " " in backend:
+            if not fused or backend in ("materialised", "torch.compile", "official+liger") or " " in backend:
                 continue
             s = dict(T=T, head=kind, layers=layers, V=V, backend=backend, mm_gflops=rate,
                      fraction_of_mm=fused["gflops"] / rate)
@@ -382,6 +457,9 @@ def main(argv=None):
                 s["memory_vs_materialised"] = fused["peak_mem_mb"] / max(at["materialised"]["peak_mem_mb"], 1e-9)
             if "torch.compile" in at:
                 s["speedup_vs_compile"] = at["torch.compile"]["seconds"] / fused["seconds"]
+            for peer, key in (("lean naive", "lean"), ("lean naive+compile", "lean_compile"), ("official+liger", "liger")):
+                if peer in at:
+                    s[f"speedup_vs_{key}"] = at[peer]["seconds"] / fused["seconds"]
             if f"{backend} pairs=0.02" in at:
                 s["subsample_time_fraction"] = at[f"{backend} pairs=0.02"]["seconds"] / fused["seconds"]
             if f"{backend} fwd" in at and "materialised fwd" in at:
