@@ -184,10 +184,18 @@ def _check_goal_room(model, goal):
 
 @torch.no_grad()
 def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperature: float = 1.0,
-           top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None):
+           top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None,
+           stop_token: Optional[int] = None):
     """(B, P) prompts -> (B, n_new) tokens, KV-cached. temperature=0 is greedy; top_k keeps the k
-    most likely tokens before sampling. A BST reads the goal as suffix (default: the empty suffix)."""
-    _check_ids(model, prefix=prefix, goal=goal, eos_id=eos_id)
+    most likely tokens before sampling. A BST reads the goal as suffix (default: the empty suffix).
+
+    stop_token: a row that draws it is finished; its later positions hold stop_token, and sampling
+    ends once every row is. For a BST trained with meet pairs (docs/contract.md §8) this is the
+    meet token: its Next head predicts it with the goal as suffix once the prefix has reached the
+    goal (nothing is missing between them), and with the empty suffix at the end of a text."""
+    if stop_token is not None and (isinstance(stop_token, bool) or not isinstance(stop_token, int) or stop_token < 0):
+        raise ValueError(f"stop_token must be None or a token id (an int >= 0), got {stop_token!r}")
+    _check_ids(model, prefix=prefix, goal=goal, eos_id=eos_id, stop_token=stop_token)
     prefix = torch.as_tensor(prefix, dtype=torch.long)
     if prefix.dim() == 1:
         prefix = prefix[None]
@@ -203,6 +211,7 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     search = searcher(model, eos_id)
     out = []
     logits = search.start(prefix, goal)
+    done = torch.zeros(prefix.shape[0], dtype=torch.bool)
     for step in range(n_new):
         if temperature == 0:
             token = logits.argmax(-1)
@@ -214,7 +223,13 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
                 kth = z.topk(top_k, dim=-1).values[..., -1:]
                 z = z.masked_fill(z < kth, float("-inf"))
             token = torch.multinomial(z.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(z.device)
+        if stop_token is not None:
+            token = token.masked_fill(done.to(token.device), stop_token)
+            done = done | (token == stop_token).cpu()
         out.append(token)
+        if stop_token is not None and bool(done.all()):
+            pad = token.new_full((token.shape[0], n_new - step - 1), stop_token)
+            return torch.cat([torch.stack(out, 1), pad], 1)
         if step + 1 < n_new:
             logits = search.step(token)
     return torch.stack(out, 1) if out else prefix.new_zeros((prefix.shape[0], 0))

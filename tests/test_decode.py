@@ -446,3 +446,37 @@ def test_generate_cli_text(tmp_path, capsys):
     assert main(args + ["--search", "sample", "--top-k", "5", "--horizon", "4"]) == 0
     # without --horizon: 32 tokens would pass max_len 48 after a goal; the default leaves room
     assert main(args + ["--suffix", " The end." * 4, "--rollouts", "2"]) == 0, capsys.readouterr().err
+
+
+class CountingTable(TableModel):
+    """TableModel counting step() calls; every prefix not listed gives uniform probabilities."""
+
+    def __init__(self, next_probs):
+        super().__init__(next_probs, {})
+        self.steps = 0
+
+    def _logits(self):
+        return torch.tensor([self.next_probs.get(tuple(s), [1 / 3] * 3) for s in self.rows]).log()
+
+    def step(self, tokens):
+        self.steps += 1
+        return super().step(tokens)
+
+
+def test_sample_stops_each_row_at_the_stop_token():
+    """Greedy: row 0 draws 2 (the stop token) at its second step, row 1 at its third; a finished row
+    holds the stop token, and no step runs once every row has finished."""
+    probs = {(0,): [0.6, 0.3, 0.1], (1,): [0.1, 0.8, 0.1], (0, 0): [0.1, 0.1, 0.8], (1, 1): [0.7, 0.2, 0.1],
+             (1, 1, 0): [0.1, 0.1, 0.8], (0, 0, 2): [0.9, 0.05, 0.05]}
+    stub = CountingTable(probs)
+    out = decode.sample(stub, torch.tensor([[0], [1]]), 6, EOS, temperature=0, stop_token=2)
+    assert out.tolist() == [[0, 2, 2, 2, 2, 2], [1, 0, 2, 2, 2, 2]]
+    assert stub.steps == 2  # after the third token every row had stopped
+    # without stop_token the rows run on (row 0 draws 0 after its 2)
+    assert decode.sample(CountingTable(probs), torch.tensor([[0], [1]]), 3, EOS, temperature=0).tolist()[0] == [0, 2, 0]
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "eos"])
+def test_sample_refuses_a_bad_stop_token(bad):
+    with pytest.raises(ValueError, match="stop_token"):
+        decode.sample(CountingTable({}), torch.tensor([[0]]), 2, EOS, temperature=0, stop_token=bad)
