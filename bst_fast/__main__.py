@@ -1,8 +1,9 @@
-"""Command line: `bst-fast train | star | table | generate | probe ...` (or `python -m bst_fast ...`).
+"""Command line: `bst-fast train | star | table | generate | probe | tokenize ...` (or `python -m bst_fast ...`).
 
 train: one model; star: BST vs forward-only; table: every star-graph method and ablation, the
 paper's path-accuracy table; generate: decode from a checkpoint (sampling, Algorithm 1 planning,
-beam search); probe: belief-state probes of star-graph checkpoints.
+beam search); probe: belief-state probes of star-graph checkpoints; tokenize: a text corpus into a
+prepared corpus (docs/data.md).
 """
 from __future__ import annotations
 
@@ -186,6 +187,37 @@ def cmd_generate(args):
         print(f"search: {search}, log score {score:.4f}")
 
 
+def cmd_tokenize(args):
+    """Tokenise a text corpus once into a prepared corpus that `data: DIR` trains from."""
+    import time
+
+    from .data.prepared import print_summary, tokenize_corpus
+
+    if args.tokenizer is not None and args.vocab is not None:
+        raise ValueError("--vocab sets the size of a BPE tokenizer trained here; with --tokenizer the tokenizer's "
+                         "own vocabulary is used: give one of them")
+    if args.tokenizer is not None and args.bpe_sample_mb is not None:
+        raise ValueError("--bpe-sample-mb applies to a BPE tokenizer trained here, not to --tokenizer")
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    vocab = 1000 if args.vocab is None else args.vocab
+    if vocab < 259:
+        raise ValueError(f"--vocab must be >= 259 (256 bytes and PAD, BOS, EOS), got {vocab}")
+    t = time.perf_counter()
+    manifest = tokenize_corpus(args.data, args.out, vocab_size=vocab, tokenizer=args.tokenizer,
+                               max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress, workers=args.workers,
+                               bpe_sample_bytes=None if args.bpe_sample_mb is None else max(1, int(args.bpe_sample_mb * 1e6)))
+    print_summary(manifest, args.out, time.perf_counter() - t)
+
+
+def _positive_float(text):
+    """An argparse type: a finite float > 0."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def cmd_probe(args):
     """Probe accuracy per k (f at "=" -> the path token k ahead) of star-graph checkpoints."""
     from .data import StarGraphData
@@ -249,10 +281,30 @@ def main(argv=None):
     p.add_argument("--n-train", type=_positive, default=2000, help="probe training graphs")
     p.add_argument("--n-test", type=_positive, default=500, help="probe test graphs")
     p.add_argument("--steps", type=_positive, default=300, help="probe optimizer steps")
+    p = sub.add_parser("tokenize", help="tokenise a text corpus once into a prepared corpus (memory-mapped ids, "
+                       "its tokenizer, a manifest) that `--set data=DIR` trains from",
+                       description="Tokenise the documents of DATA (.txt files or folders, documents split at blank "
+                       "lines, as training reads them) into DIR: tokens.bin, offsets.bin, tokenizer.json, "
+                       "manifest.json. Training from DIR tokenises nothing and memory-maps the ids.")
+    p.add_argument("data", nargs="+", metavar="DATA", help="a .txt file or a folder of them (several: one corpus)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the prepared corpus to write (a new or empty folder, or a prepared corpus to replace)")
+    p.add_argument("--vocab", type=_positive, metavar="N", help="BPE vocabulary of the tokenizer trained here "
+                   "(default 1000, the paper's)")
+    p.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json instead of training one "
+                   "(its vocabulary sets the model's)")
+    p.add_argument("--max-doc-tokens", type=_positive, metavar="N",
+                   help="drop documents longer than N tokens (the paper's TinyStories setup: 256); reports how many")
+    p.add_argument("--bpe-sample-mb", type=_positive_float, metavar="MB",
+                   help="train the BPE tokenizer on about MB megabytes of documents spread over the corpus "
+                   "(default: all of it, the tokenizer a text run trains)")
+    p.add_argument("--workers", type=int, metavar="N", help="encoding processes (default: one per CPU; 0: encode "
+                   "in this process); the ids are the same whatever N")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     try:
         {"train": cmd_train, "star": cmd_star, "table": cmd_table, "generate": cmd_generate,
-         "probe": cmd_probe}[args.command](args)
+         "probe": cmd_probe, "tokenize": cmd_tokenize}[args.command](args)
     except (ValueError, FileNotFoundError) as e:  # bad input: a config, an argument, a folder
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
 from ._checks import short
 from .model import ModelConfig
@@ -53,7 +53,10 @@ def config_path(path: Union[str, Path]) -> Path:
 class TrainConfig:
     # --- what to train ---
     method: str = "bst"  # one of METHODS (see the module docstring)
-    data: str = "star"  # "star" for star graphs, else a text file or folder
+    # "star" for star graphs; else a text file or folder, a prepared corpus (a folder `bst-fast tokenize`
+    # wrote), or a list of prepared corpora, each a path or a [path, weight] pair: a weighted mixture
+    # (a list is stored as [[path, weight], ...]; docs/data.md)
+    data: Union[str, List[Any]] = "star"
     star_degree: int = 2  # d of G(d, l): arms from the start node
     star_path_len: int = 5  # l of G(d, l): nodes on the path, start and goal included
     star_nodes: int = 50  # N: node labels to draw from
@@ -61,7 +64,10 @@ class TrainConfig:
     n_test: int = 500  # held-out graphs for path accuracy (never trained on)
     augment_prob: float = 0.5  # method "augment": share of training rows whose goal becomes an intermediate node
     text_vocab: int = 1000  # BPE vocabulary for text data (the paper: 1000)
-    max_len: int = 256  # text documents are cut to at most this many tokens
+    tokenizer: str = ""  # raw text: a tokenizer.json to tokenise it with (its vocabulary sets the model's); "": train a BPE of text_vocab
+    max_len: int = 256  # text rows hold at most this many tokens, BOS and EOS included; longer documents are cut
+    max_doc_tokens: int = 0  # text: drop documents longer than this many tokens (the paper's TinyStories: 256); 0 keeps all
+    pack: bool = False  # text: pack whole documents (each BOS .. EOS) back to back into rows of max_len (docs/data.md)
     model: ModelConfig = field(default_factory=ModelConfig)  # vocab_size / max_len are set from the data
     # --- objective ---
     pairs: Optional[float] = None  # None: all prefix/suffix pairs; a fraction in (0, 1]: subsample
@@ -142,13 +148,30 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
+        if not isinstance(self.data, str):
+            self.data = _data_list(self.data, "data")
+            if not self.data:
+                bad("data", "'star', a path or a non-empty list of prepared corpora")
+            for path, weight in self.data:
+                if not path or path == "star":
+                    bad("data", "a list of prepared corpora (folders; star graphs are not mixed)")
+                if not math.isfinite(weight) or weight <= 0:
+                    raise ValueError(f"config field 'data': the weight of {short(path)} must be a finite number > 0, "
+                                     f"got {short(weight)}")
+        if self.tokenizer and self.data == "star":
+            bad("tokenizer", "'' for star-graph data")
+        if self.pack and self.data == "star":
+            bad("pack", "false for star-graph data (a star graph fills its row: packing is for text documents)")
+        if self.max_doc_tokens and self.data == "star":
+            bad("max_doc_tokens", "0 for star-graph data (it drops long text documents)")
         if self.data != "star" and self.text_vocab < 259:
             bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:
             bad("star_path_len", ">= 2")
         if self.max_len < 4:
             bad("max_len", ">= 4")
-        for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay"):
+        for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay",
+                     "max_doc_tokens"):
             if getattr(self, name) < 0:
                 bad(name, ">= 0")
         if self.pairs is not None and not 0.0 < self.pairs <= 1.0:
@@ -212,6 +235,30 @@ def field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+def _data_list(value, name: str) -> list:
+    """TrainConfig.data given as a list: each entry a path or a [path, weight] pair, returned as
+    [[path, weight], ...] (weight 1.0 where none is given); a ValueError naming the field otherwise.
+    The weights' values are checked by TrainConfig.check."""
+    out = []
+    for entry in value:
+        if isinstance(entry, (str, os.PathLike)):
+            out.append([str(entry), 1.0])
+            continue
+        if isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)):
+            weight = entry[1]
+            if isinstance(weight, str):  # 5e-1: YAML 1.1 text, a number written as text is the number
+                try:
+                    weight = float(weight)
+                except ValueError:
+                    pass
+            if isinstance(weight, (int, float)) and not isinstance(weight, bool):
+                out.append([str(entry[0]), float(weight)])
+                continue
+        raise ValueError(f"config field {short(name)} must be a path, or a list of prepared corpora each a path or "
+                         f"a [path, weight] pair; got the entry {short(entry)}")
+    return out
+
+
 def _from_dict(cls, d, prefix):
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
@@ -220,7 +267,9 @@ def _from_dict(cls, d, prefix):
         if key not in known:
             raise _unknown_field(name, name, known)
         default = field_default(known[key])
-        if dataclasses.is_dataclass(default):
+        if key == "data" and isinstance(value, (list, tuple)) and cls is TrainConfig:
+            value = _data_list(value, name)
+        elif dataclasses.is_dataclass(default):
             if isinstance(value, type(default)):
                 value = dataclasses.asdict(value)  # checked like a mapping, and copied
             if not isinstance(value, Mapping):

@@ -1,16 +1,17 @@
 """bst_fast.tasks: what a run trains on and how it is scored, and the objective it optimises.
 
 A task (StarTask: star graphs and path accuracy, docs/contract.md §7; TextTask: BPE text and the
-held-out loss) gives the batches of each step as pure functions of (seed, step), the vocabulary and
-row length the model needs (`model_config`), and an evaluation. `Objective` is the loss's
+held-out loss) gives the rows of each step (`rows`: a Rows) as pure functions of (seed, step), the
+vocabulary and row length the model needs (`model_config`), and an evaluation. `Objective` is the loss's
 settings from the config, the one place both model calls (training, held-out loss) take them.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -21,6 +22,17 @@ from .files import atomic_write
 from .model import BeliefStateTransformer, ForwardOnly, Teacherless
 
 TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
+
+
+class Rows(NamedTuple):
+    """A step's global batch: (B, L) tokens, (B,) lengths, the first prefix position trained on
+    (None: the task's `prefix_start` for every row; else (B,)), and packed rows' (B, L) document
+    ids (None: a row is one document; docs/contract.md §10)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prefix_start: Optional[torch.Tensor]
+    documents: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +60,23 @@ class Objective:
         return cls(pairs=cfg.pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
                    min_gap=cfg.min_gap, max_gap=cfg.max_gap, meet_token=meet, reduction=cfg.reduction)
 
-    def totals(self, lengths, start_pos, L):
-        """(pairs, next-token targets) of rows of `lengths` (at most L) with starts `start_pos`: the
-        counts a mean over a batch split across ranks or micro-batches divides by."""
-        pairs = pair_counts(lengths, start_pos, self.min_gap, L if self.max_gap is None else self.max_gap, L)
-        return pairs.sum().item(), ((lengths - 1 - start_pos).clamp(min=0)).sum().item()
+    def totals(self, lengths, start_pos, L, documents=None):
+        """(pairs, next-token targets) of rows of `lengths` (at most L) with starts `start_pos` and,
+        packed, (B, L) `documents`: the counts a mean over a batch split across ranks or
+        micro-batches divides by. A target is a position i with i + 1 in its document."""
+        pairs = pair_counts(lengths, start_pos, self.min_gap, L if self.max_gap is None else self.max_gap, L,
+                            documents=documents)
+        i = torch.arange(L - 1)[None]
+        targets = (i >= start_pos[:, None]) & (i <= lengths[:, None] - 2)
+        if documents is not None:
+            targets &= documents[:, :-1] == documents[:, 1:]
+        return pairs.sum().item(), targets.sum().item()
 
-    def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total):
+    def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total,
+                 documents=None):
         """model(batch) with these settings: {"total", "belief", "gpt"} as the models return."""
         return model(tokens, lengths, prefix_start=prefix_start, generator=generator, pair_total=pair_total,
-                     token_total=token_total, row_total=row_total, **dataclasses.asdict(self))
+                     token_total=token_total, row_total=row_total, documents=documents, **dataclasses.asdict(self))
 
 
 class StarTask:
@@ -87,6 +106,10 @@ class StarTask:
 
     def save(self, folder: Path):
         """Nothing of star-graph data is written to a run (its graphs are functions of the seed)."""
+
+    def rows(self, step, batch_size) -> Rows:
+        """The training rows of step `step` (no documents: a star graph is one row)."""
+        return Rows(*self.batch(step, batch_size))
 
     def batch(self, step, batch_size):
         """(tokens, lengths, prefix_start (B,) or None): the method's training rows of step `step`."""
@@ -145,22 +168,49 @@ class TextTask:
 
     def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
         from .data import TextData, load_tokenizer, train_bpe
+        from .data.prepared import is_prepared, open_data
 
-        # A resumed run reads the tokenizer its checkpoint carries (verified with the checkpoint); a
-        # new one trains its own, written by save() once the run is known to start.
+        # A prepared corpus (a folder `bst-fast tokenize` wrote), or a list of them with weights,
+        # brings its tokenizer and its memory-mapped ids: nothing is trained or tokenised. Raw text
+        # is tokenised here, by the tokenizer config field `tokenizer` names or, if empty, by a BPE
+        # tokenizer trained on it. A resumed run reads the tokenizer its checkpoint carries (verified
+        # with the checkpoint; a prepared corpus's must equal it); a new one writes its tokenizer with
+        # save() once the run is known to start.
         resume = resume_from is not None
         progress = None if cfg.progress and rank == 0 else False  # bars for large corpora, rank 0 only
+        saved = given = None
         if resume:
             path = Path(resume_from) / TOKENIZER
             if not path.is_file():
                 raise ValueError(f"--resume: checkpoint {resume_from} holds no {TOKENIZER} (the run's tokenizer)")
-            self.tokenizer = load_tokenizer(path)
+            saved = load_tokenizer(path)
+        if cfg.tokenizer and not resume:
+            try:
+                given = load_tokenizer(cfg.tokenizer)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"config field 'tokenizer': {e}") from None
+        # pack: documents back to back in rows of max_len (data/packing.py); max_doc_tokens: drop longer ones
+        rows = dict(pack=cfg.pack, max_doc_tokens=cfg.max_doc_tokens or None)
+        if not isinstance(cfg.data, str) or is_prepared(cfg.data):
+            self.data = open_data(cfg.data, cfg.max_len, seed=cfg.seed, **rows)
+            self.tokenizer = self.data.tokenizer
+            if given is not None and given.to_str() != self.tokenizer.to_str():
+                raise ValueError(f"config field 'tokenizer' ({cfg.tokenizer}) is not the tokenizer the prepared corpus "
+                                 f"{cfg.data} was written with; leave it empty (a prepared corpus carries its tokenizer)")
+            if saved is not None and saved.to_str() != self.tokenizer.to_str():
+                raise ValueError(f"--resume: the prepared corpus {cfg.data} was written with another tokenizer than "
+                                 f"checkpoint {resume_from}'s")
         else:
-            self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
-        self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress)
+            if saved is not None or given is not None:
+                self.tokenizer = saved if saved is not None else given
+            else:
+                self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
+            self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress, **rows)
         self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
+        if rank == 0 and (cfg.pack or cfg.max_doc_tokens):
+            print(self.summary(cfg), file=sys.stderr, flush=True)
         # The config holds the corpus's path only: a resumed run must also find the same corpus
         # there, or its split (and so every batch and the held-out loss) would silently change.
         if resume:
@@ -184,24 +234,45 @@ class TextTask:
         atomic_write(folder / TOKENIZER, lambda p: save_tokenizer(self.tokenizer, p))
         atomic_write(folder / CORPUS, lambda p: Path(p).write_text(json.dumps(self.data.fingerprint(), indent=1)))
 
-    def batch(self, step, batch_size):
-        return (*self.data.batch(step, batch_size, self.seed), None)
+    def summary(self, cfg: TrainConfig) -> str:
+        """The start-up line of max_doc_tokens and packing: documents dropped, padding saved."""
+        parts = []
+        if cfg.max_doc_tokens:
+            parts.append(f"max_doc_tokens: dropped {self.data.dropped_documents} of "
+                         f"{self.data.dropped_documents + self.data.n_documents} documents longer than "
+                         f"{cfg.max_doc_tokens} tokens")
+        if cfg.pack:
+            before, after = self.data.padding(cfg.batch_size)
+            parts.append(f"packing: {before:.0%} of positions were padding, now {after:.0%} "
+                         f"({self.data.n_train} packed training rows of at most {cfg.max_len})")
+        return "; ".join(parts)
+
+    def rows(self, step, batch_size) -> Rows:
+        tokens, lengths, *documents = self.data.batch(step, batch_size, self.seed)  # documents: packed only
+        return Rows(tokens, lengths, None, *documents)
+
+    def held_out(self):
+        """The held-out rows as Rows batches of batch_size, in order."""
+        for tokens, lengths, *documents in self.data.held_out_batches(self.batch_size):
+            yield Rows(tokens, lengths, None, *documents)
 
     @torch.no_grad()
     def evaluate(self, model, device):
-        held = self.data.held_out_lengths
-        if not len(held):  # no held-out rows (one document of one row, or held_out 0): no figure
+        if not self.data.n_held_out:  # no held-out rows (one document of one row, or held_out 0): no figure
             return {}
         # Every batch is normalised by the whole held-out set's pair and token counts, so the
         # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
-        pair_total, token_total = self.objective.totals(held, torch.zeros_like(held), int(held.max()))
+        counts = [self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)
+                  for r in self.held_out()]
+        pair_total, token_total = (sum(c[k] for c in counts) for k in (0, 1))
         was = model.training
         model.eval()
         loss = 0.0
-        for k, (tokens, lengths) in enumerate(self.data.held_out_batches(self.batch_size)):
-            out = self.objective(model, tokens.to(device), lengths.to(device), prefix_start=0,
+        for k, r in enumerate(self.held_out()):
+            documents = None if r.documents is None else r.documents.to(device)
+            out = self.objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
                                  generator=torch.Generator().manual_seed(k), pair_total=pair_total,
-                                 token_total=token_total, row_total=len(held))
+                                 token_total=token_total, row_total=self.data.n_held_out, documents=documents)
             loss += float(out["total"])
         model.train(was)
         return {"held_out_loss": loss}

@@ -91,6 +91,7 @@ class Batch(NamedTuple):
     pair_total: float
     token_total: float
     row_total: float
+    documents: Optional[torch.Tensor] = None  # packed rows' (B, L) document ids (docs/contract.md §10)
 
     def split(self, n: int) -> List["Batch"]:
         """`n` micro-batches of consecutive rows, each keeping the whole batch's totals."""
@@ -99,7 +100,9 @@ class Batch(NamedTuple):
         for k in range(n):
             rows = slice(k * size, (k + 1) * size)
             start = self.prefix_start if isinstance(self.prefix_start, int) else self.prefix_start[rows]
-            parts.append(self._replace(tokens=self.tokens[rows], lengths=self.lengths[rows], prefix_start=start))
+            documents = None if self.documents is None else self.documents[rows]
+            parts.append(self._replace(tokens=self.tokens[rows], lengths=self.lengths[rows], prefix_start=start,
+                                       documents=documents))
         return parts
 
 
@@ -133,14 +136,16 @@ class Run:
 
     def batch(self, step: int) -> "Batch":
         """Step `step`'s rows for this rank and the global counts the loss is normalised by."""
-        tokens, lengths, row_start = self.task.batch(step, self.cfg.batch_size)  # the global batch, (B, L)
+        tokens, lengths, row_start, documents = self.task.rows(step, self.cfg.batch_size)  # the global batch, (B, L)
         start_pos = torch.full_like(lengths, self.task.prefix_start) if row_start is None else row_start
-        pair_total, token_total = (n / self.world for n in self.objective.totals(lengths, start_pos, tokens.shape[1]))
+        pair_total, token_total = (n / self.world for n in
+                                   self.objective.totals(lengths, start_pos, tokens.shape[1], documents))
         r, w = self.rank, self.world
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = self.task.prefix_start if row_start is None else row_start[r::w].to(self.device)
         return Batch(tokens[r::w].to(self.device), lengths[r::w].to(self.device), prefix_start,
-                     float(pair_total), float(token_total), len(tokens) / w)
+                     float(pair_total), float(token_total), len(tokens) / w,
+                     None if documents is None else documents[r::w].to(self.device))
 
     def close(self):
         if self.bar is not None:
@@ -171,7 +176,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                 seed = cfg.seed * 7919 + step * 31 + run.rank + k * 1_000_000_007
                 out = run.objective(run.net, part.tokens, part.lengths, prefix_start=part.prefix_start,
                                     generator=torch.Generator().manual_seed(seed), pair_total=part.pair_total,
-                                    token_total=part.token_total, row_total=part.row_total)
+                                    token_total=part.token_total, row_total=part.row_total, documents=part.documents)
             with record_function("backward"):
                 out["total"].backward()
         loss += out["total"].detach().float()
@@ -244,7 +249,8 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
         part = run.batch(start).split(cfg.grad_accum)[0]
         with autocast_for(device):
             run.objective(model, part.tokens, part.lengths, prefix_start=part.prefix_start, generator=torch.Generator(),
-                          pair_total=part.pair_total, token_total=part.token_total, row_total=part.row_total)
+                          pair_total=part.pair_total, token_total=part.token_total, row_total=part.row_total,
+                          documents=part.documents)
     if rank == 0:
         folder.claim()
         try:

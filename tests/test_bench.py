@@ -130,3 +130,22 @@ def test_profile_bench_profiles_the_trainers_step(tmp_path):
     for phase in ("encoders", "pair_loss", "backward", "optimizer", "step"):
         assert f"| {phase} |" in text, text[:2000]
     assert "train_step" in text and next(tmp_path.glob("cpu*-profile-swiglu.trace.json")).stat().st_size > 0
+
+
+def test_text_data_bench_runs_every_step_on_a_tiny_corpus(tmp_path):
+    """bench/text_data.py on a corpus of a few hundred short stories: tokenize with and without BPE
+    training, both encoders, the start-up and batches, unpacked and packed."""
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "text_data.py"), "--size-mb", "0.05", "--sentences", "1", "4",
+                          "--hf-mb", "0.01", "--steps", "5", "--workers", "0", "--dir", str(tmp_path / "d"),
+                          "--json", str(out), "--out", str(tmp_path / "r.md")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["with_bpe"]["seconds"] > 0 and r["encode_only"]["vocab_size"] == 1000 and r["encode_only"]["tokens"] > 0
+    assert r["compare"]["encode_batch"] > 0 and r["compare"]["pieces"] > 0
+    plain, packed = r["train_start"], r["packed"]
+    assert plain["documents"] == packed["documents"] == r["encode_only"]["documents"]
+    assert packed["train_rows"] < plain["train_rows"] / 2  # stories of 1 to 3 sentences: several a row
+    assert plain["padding_unpacked"] == packed["padding_unpacked"] > packed["padding_packed"]
+    assert "Packed (`pack: true`" in (tmp_path / "r.md").read_text()

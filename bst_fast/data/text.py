@@ -6,7 +6,8 @@ UTF-8 (a leading byte-order mark is dropped; any other encoding is an error nami
 split at blank lines (one or more lines holding only whitespace); each non-empty block is one
 document, so a file without blank lines is a single document. A document becomes rows
 [BOS, x_1, ..., x_T, EOS] of at most max_len tokens: a longer one is cut into consecutive chunks
-of max_len - 2 tokens, each wrapped in its own BOS/EOS.
+of max_len - 2 tokens, each wrapped in its own BOS/EOS (or, with max_doc_tokens, a document longer
+than that is dropped). pack=True then packs these rows several to a row of max_len (packing.py).
 
 The held-out split counts rows: round(held_out * rows) of them (at least one when held_out > 0
 and there are two rows, never all). Whole documents are taken in a seeded order, each one that
@@ -14,8 +15,10 @@ still fits; if that falls short, the rest are the last rows of the next document
 fit (so a corpus of one document, a book, holds out its last rows). Only that one document is
 both trained on and held out, in disjoint rows.
 
-Memory: the corpus is read a file at a time and tokenised a megabyte of text at a time into one flat int32 array
-(4 bytes a token); rows are (start, length) views of it, wrapped in BOS/EOS when batched.
+Memory: the corpus is read _READ_BYTES of a file at a time and tokenised a megabyte of text at a time
+(encode.PieceEncoder: the tokenizer's own ids, faster) into one flat int32 array (4 bytes a token);
+rows are (start, length) views of it, wrapped in BOS/EOS when batched. A prepared corpus
+(prepared.py, `bst-fast tokenize`) holds the ids in a memory-mapped file instead (prepared.prepared_text_data).
 
 Long runs: the byte-level pre-tokeniser keeps a word, a number or a run of punctuation whole (the
 GPT-2 pattern), and HF tokenizers' BPE trainer takes time quadratic in the longest such pre-token (a
@@ -31,7 +34,6 @@ Progress: reading and tokenising more than PROGRESS_BYTES of files shows a tqdm 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -42,10 +44,15 @@ import numpy as np
 import torch
 
 from .._checks import check_int, short
+from .packing import PackedRows, padding_saved
 from .star import _Batches, _epoch_indices
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 in a tokenizer from train_bpe
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_SEPARATOR = re.compile(_BLANK_LINE.pattern.encode())  # the same, on bytes
+_BLANKS = frozenset(b" \t\r\f\v")
+_BOM = b"\xef\xbb\xbf"
+_READ_BYTES = 8 << 20  # bytes of a file read at a time
 # Text per encode_batch call: HF tokenizers' Encoding objects and the Python id lists take about
 # 100 bytes a token, so the corpus is encoded about a megabyte of text (~250k tokens) at a time.
 _ENCODE_CHARS = 1 << 20
@@ -84,7 +91,10 @@ def _text_files(paths) -> list[Path]:
             found = sorted(q for q in p.rglob("*") if q.suffix.lower() == ".txt" and q.is_file()
                            and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
-                raise FileNotFoundError(f"no *.txt files under {_shown(p, True)} (hidden files and folders are skipped)")
+                hint = (" and no manifest.json: not a prepared corpus either (one without its manifest is "
+                        "incomplete or corrupt; tokenize it again)") if os.path.exists(p / "tokens.bin") else ""
+                raise FileNotFoundError(f"no *.txt files under {_shown(p, True)} (hidden files and folders are "
+                                        f"skipped){hint}")
             files += found
         elif os.path.isfile(p):
             files.append(p)
@@ -100,26 +110,59 @@ def iter_documents(paths):
 
 
 def _documents(files, bar=None):
-    """The documents of `files` (a list of files), one file read at a time; `bar` (a tqdm or None)
-    advances by the bytes read."""
+    """The documents of `files` (a list of files), each file read _READ_BYTES at a time (memory:
+    a read and the document it is in, whatever the file's size); `bar` (a tqdm or None) advances
+    by the bytes read. The same documents as splitting each whole decoded file at _BLANK_LINE: the
+    separator is ASCII, so it is found in the bytes (UTF-8 never holds an ASCII byte inside a
+    character), and a match cannot reach past its closing newline."""
     for f in files:
-        raw = f.read_bytes()
-        try:
-            text = raw.decode("utf-8-sig")  # drops a byte-order mark, strict otherwise
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{_shown(f, True)}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
-                             f"convert it to UTF-8, or give token ids to TextData.from_ids") from None
-        done = 0
-        for block in _BLANK_LINE.split(text):
-            block = block.strip()
-            if block:
-                if bar is not None:
-                    n = len(block.encode("utf-8"))
-                    bar.update(n)
-                    done += n
-                yield block
-        if bar is not None:
-            bar.update(len(raw) - done)  # the blank lines and stripped whitespace between them
+        yield from _file_documents(f, bar)
+
+
+def _file_documents(path, bar):
+    buf, offset, checked = bytearray(), 0, False  # unread text, its position in the file, BOM looked for
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(_READ_BYTES)
+            if bar is not None:
+                bar.update(len(chunk))
+            # a separator that began in the unread text starts at its last newline followed only
+            # by blanks; none starts before that
+            scan = len(buf)
+            while scan and buf[scan - 1] in _BLANKS:
+                scan -= 1
+            scan = scan - 1 if scan and buf[scan - 1] == 10 else len(buf)
+            buf += chunk
+            if not checked:  # utf-8-sig: a leading byte-order mark is dropped
+                if chunk and len(buf) < len(_BOM):
+                    continue
+                checked, scan = True, 0
+                if buf.startswith(_BOM):
+                    del buf[:len(_BOM)]
+                    offset = len(_BOM)
+            if not chunk:
+                yield from _block(path, buf, offset)
+                return
+            pos = 0
+            for m in _SEPARATOR.finditer(buf, scan):
+                yield from _block(path, buf[pos:m.start()], offset + pos)
+                pos = m.end()
+            if pos:
+                del buf[:pos]
+                offset += pos
+
+
+def _block(path, raw, at):
+    """The document of the bytes `raw` (at byte `at` of file `path`): none if it is blank."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{_shown(path, True)}: not UTF-8 text (byte {at + e.start}: "
+                         f"{bytes(raw[e.start:e.start + 4])!r}); convert it to UTF-8, or give token ids "
+                         f"to TextData.from_ids") from None
+    text = text.strip()
+    if text:
+        yield text
 
 
 def _progress_bar(files, progress, desc: str):
@@ -147,13 +190,15 @@ def _pre_tokenizer():
     ])
 
 
-def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, progress=None):
+def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, progress=None,
+              sample_bytes: int | None = None):
     """A byte-level BPE tokenizer trained on the documents of `paths` (the paper: vocab 1000).
 
     Byte level: any text encodes, with no unknown token. The specials get ids 0.. in order, so the
     default gives PAD=0, BOS=1, EOS=2. Pre-tokens longer than MAX_PRETOKEN bytes are cut (module
     docstring), which keeps training near-linear in the corpus's size. progress: a bar on stderr
-    (None: only for more than PROGRESS_BYTES of files).
+    (None: only for more than PROGRESS_BYTES of files). sample_bytes: train on documents spread
+    evenly over the corpus, about this many bytes of them (None, or at least the corpus: all).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -169,13 +214,30 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=alphabet, show_progress=False)
     files = _text_files(paths)
+    if sample_bytes is not None:
+        sample_bytes = check_int("sample_bytes", sample_bytes, 1)
     bar = _progress_bar(files, progress, "training the BPE tokenizer")
     try:
-        tok.train_from_iterator(_documents(files, bar), trainer=trainer)
+        docs = _documents(files, bar)
+        total = sum(f.stat().st_size for f in files)
+        if sample_bytes is not None and sample_bytes < total:
+            docs = _spread_sample(docs, sample_bytes / total)
+        tok.train_from_iterator(docs, trainer=trainer)
     finally:
         if bar is not None:
             bar.close()
     return _text_only(tok)
+
+
+def _spread_sample(documents, rate: float):
+    """Documents holding about `rate` of the characters, spread evenly: a document is kept when the
+    characters owed (rate x those seen) cover it."""
+    owed = 0.0
+    for doc in documents:
+        owed += rate * len(doc)
+        if owed >= len(doc):
+            owed -= len(doc)
+            yield doc
 
 
 def save_tokenizer(tokenizer, path) -> None:
@@ -236,24 +298,30 @@ def _text_only(tokenizer):
 
 def _encode_documents(tokenizer, documents) -> tuple[np.ndarray, np.ndarray]:
     """(flat int32 ids of every document, each document's length (n_docs,) int64), encoded
-    about _ENCODE_CHARS characters at a time."""
-    parts, lengths, batch, chars = [], [], [], 0
+    about _ENCODE_CHARS characters at a time (PieceEncoder: the ids encode_batch gives)."""
+    from .encode import PieceEncoder
 
-    def flush():
-        ids = [e.ids for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
-        lengths.extend(map(len, ids))
-        parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
-                                 count=sum(map(len, ids))))
-        batch.clear()
+    encoder = PieceEncoder(tokenizer, np.int32)
+    parts, lengths = [], []
+    for batch in _doc_batches(documents, _ENCODE_CHARS):
+        flat, n = encoder.encode(batch)
+        parts.append(flat)
+        lengths.append(n)
+    flat = np.concatenate(parts) if parts else np.empty(0, np.int32)
+    return flat, (np.concatenate(lengths) if lengths else np.empty(0, np.int64))
+
+
+def _doc_batches(documents, chars: int):
+    """Lists of consecutive documents of about `chars` characters (at least one document each)."""
+    batch, n = [], 0
     for doc in documents:
         batch.append(doc)
-        chars += len(doc)
-        if chars >= _ENCODE_CHARS:
-            flush()
-            chars = 0
-    flush()
-    flat = np.concatenate(parts) if parts else np.empty(0, np.int32)
-    return flat, np.array(lengths, dtype=np.int64)
+        n += len(doc)
+        if n >= chars:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
 
 
 def load_ids(path) -> list[np.ndarray]:
@@ -309,9 +377,17 @@ class _Rows:
     def __init__(self, flat: np.ndarray, starts: np.ndarray, sizes: np.ndarray, pad_id, bos_id, eos_id):
         self.flat, self.starts, self.sizes = flat, starts, sizes
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        # (vocab_size, source): ids read from a file not checked whole (a prepared corpus's
+        # memory-mapped tokens) are checked as they are gathered
+        self.limit = None
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(rows,) int64: every row's length, BOS and EOS included."""
+        return self.sizes + 2
 
     def gather(self, index):
         """(tokens (B, L_max) int64 padded with PAD, lengths (B,) int64) of rows `index`."""
@@ -322,7 +398,12 @@ class _Rows:
         out[:, 0] = self.bos_id
         col = np.arange(width)
         inside = col[None, :] < sizes[:, None]                           # (B, width)
-        out[:, 1:width + 1][inside] = self.flat[(self.starts[index, None] + col)[inside]]
+        ids = self.flat[(self.starts[index, None] + col)[inside]]
+        if self.limit is not None and len(ids) and int(ids.max()) >= self.limit[0]:
+            at = int(np.argmax(ids >= self.limit[0]))
+            raise ValueError(f"{self.limit[1]}: token id {int(ids[at])} is outside the vocabulary "
+                             f"0..{self.limit[0] - 1} (the token file is corrupt; tokenize the corpus again)")
+        out[:, 1:width + 1][inside] = ids
         out[np.arange(len(index)), sizes + 1] = self.eos_id
         return torch.from_numpy(out), torch.from_numpy(sizes + 2)        # (B, L_max), (B,)
 
@@ -331,11 +412,14 @@ class TextData(_Batches):
     """Tokenised documents split into train / held-out rows of at most max_len tokens.
 
     Rows are [BOS, x..., EOS] (see the module docstring for the split); batches are padded with
-    PAD and carry their lengths (docs/contract.md §1).
+    PAD and carry their lengths (docs/contract.md §1). pack=True packs those rows, train and
+    held-out apart, into rows of max_len (packing.py): batches are then (tokens, lengths,
+    documents). max_doc_tokens drops the documents longer than that many tokens (None: none; a
+    document longer than a row is otherwise cut into rows).
     """
 
     def __init__(self, paths, tokenizer, max_len: int, held_out: float = 0.05, seed: int = 0,
-                 progress=None):
+                 progress=None, pack: bool = False, max_doc_tokens: int | None = None):
         """progress: a bar on stderr while the corpus is tokenised (None: only for more than
         PROGRESS_BYTES of files)."""
         max_len, held_out, seed = _check_split(max_len, held_out, seed)  # before reading anything
@@ -357,16 +441,18 @@ class TextData(_Batches):
                 bar.close()
         self.tokenizer = tokenizer
         self._build(flat, doc_lengths, tokenizer.get_vocab_size(), ids["<pad>"], ids["<bos>"],
-                    ids["<eos>"], max_len, held_out, seed)
+                    ids["<eos>"], max_len, held_out, seed, pack=pack, max_doc_tokens=max_doc_tokens)
 
     @classmethod
     def from_ids(cls, rows, vocab_size: int, source_name: str | None = None, *,
                  max_len: int | None = None, held_out: float = 0.05, seed: int = 0,
-                 pad_id: int = 0, bos_id: int = 1, eos_id: int = 2) -> "TextData":
+                 pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, pack: bool = False,
+                 max_doc_tokens: int | None = None) -> "TextData":
         """Pre-tokenised documents: `rows` is a path to a .npy/.pt file (see load_ids), an array,
         or a list of id sequences, one document each, holding content ids only (BOS/EOS are
         added here). Any id outside 0..vocab_size-1 raises a ValueError naming the source and the
-        (row, index) of the first one. max_len=None keeps documents whole."""
+        (row, index) of the first one. max_len=None keeps documents whole; pack, max_doc_tokens: as
+        TextData takes them."""
         vocab_size = check_int("vocab_size", vocab_size, 1)
         # before a file is read; max_len None is replaced below by the longest document's
         checked_len, held_out, seed = _check_split(3 if max_len is None else max_len, held_out, seed)
@@ -387,15 +473,27 @@ class TextData(_Batches):
         self.tokenizer = None
         flat = np.concatenate(rows).astype(np.int32) if rows else np.empty(0, np.int32)
         self._build(flat, np.array([len(r) for r in rows], dtype=np.int64), vocab_size, pad_id,
-                    bos_id, eos_id, max_len, held_out, seed)
+                    bos_id, eos_id, max_len, held_out, seed, pack=pack, max_doc_tokens=max_doc_tokens)
         return self
 
-    def _build(self, flat, doc_lengths, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed):
+    _prepared = None  # the PreparedCorpus of prepared.prepared_text_data
+
+    def _build(self, flat, doc_lengths, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed,
+               pack=False, max_doc_tokens=None, limit=None):
+        """The rows of the documents `doc_lengths` of `flat`; limit: (vocab_size, source) when the
+        ids are checked as batches gather them (_Rows.limit)."""
         offsets = np.concatenate([[0], np.cumsum(doc_lengths)])[:-1]
         kept = doc_lengths > 0
-        offsets, doc_lengths = offsets[kept], doc_lengths[kept]
+        self.dropped_documents = 0  # longer than max_doc_tokens
+        if max_doc_tokens is not None:
+            long = doc_lengths > check_int("max_doc_tokens", max_doc_tokens, 1)
+            self.dropped_documents = int(long.sum())
+            kept &= ~long
+        if not kept.all():
+            offsets, doc_lengths = offsets[kept], doc_lengths[kept]
         if not len(doc_lengths):
-            raise ValueError("no documents (every input was empty)")
+            raise ValueError(f"no documents ({self.dropped_documents} longer than max_doc_tokens={max_doc_tokens}, "
+                             f"the others empty)" if self.dropped_documents else "no documents (every input was empty)")
         self.vocab_size, self.max_len, self.seed = int(vocab_size), max_len, seed
         self.pad_id, self.bos_id, self.eos_id = int(pad_id), int(bos_id), int(eos_id)
         self._flat, self._doc_lengths = flat, doc_lengths
@@ -403,13 +501,25 @@ class TextData(_Batches):
         content = max_len - 2
         doc_rows = -(-doc_lengths // content)                     # rows of each document
         first = np.concatenate([[0], np.cumsum(doc_rows)])        # its first row; first[-1] = rows
+        # (in place where it can: a few arrays of 8 bytes a row at a time, for corpora of millions of rows)
         doc = np.repeat(np.arange(len(doc_rows)), doc_rows)       # the document of each row
-        k = np.arange(first[-1]) - first[doc]                     # the row's chunk in its document
-        starts = offsets[doc] + k * content
-        sizes = np.minimum(content, doc_lengths[doc] - k * content)
+        k = np.arange(first[-1])
+        k -= first[doc]                                           # the row's chunk in its document
+        k *= content                                              # and its first id there
+        starts = offsets[doc]
+        starts += k
+        sizes = doc_lengths[doc]
+        del doc
+        sizes -= k
+        del k
+        np.minimum(sizes, content, out=sizes)
         held = _held_out_rows(doc_rows, first, held_out, seed)
-        self._train, self._held = (_Rows(flat, starts[m], sizes[m], self.pad_id, self.bos_id, self.eos_id)
-                                   for m in (~held, held))
+        self._train = _Rows(flat, starts[~held], sizes[~held], self.pad_id, self.bos_id, self.eos_id)
+        self._held = _Rows(flat, starts[held], sizes[held], self.pad_id, self.bos_id, self.eos_id)
+        self._train.limit = self._held.limit = limit
+        self.packed = bool(pack)
+        if pack:  # the split is the unpacked rows': packing changes no row's side
+            self._train, self._held = PackedRows(self._train, max_len), PackedRows(self._held, max_len)
         self._perm_cache = (None, None)
 
     @property
@@ -423,7 +533,12 @@ class TextData(_Batches):
     @property
     def held_out_lengths(self) -> torch.Tensor:
         """(n_held_out,) int64: every held-out row's length, BOS and EOS included."""
-        return torch.from_numpy(self._held.sizes + 2)
+        return torch.from_numpy(self._held.lengths)
+
+    def padding(self, batch_size: int) -> tuple[float, float]:
+        """(unpacked, packed): the share of padding in an epoch of training batches of the unpacked
+        rows and of the packed ones (packing.padding_saved; the same twice when not packed)."""
+        return padding_saved([self._train], batch_size, self.seed)
 
     @property
     def n_documents(self) -> int:
@@ -431,20 +546,26 @@ class TextData(_Batches):
 
     def fingerprint(self) -> dict:
         """Documents, tokens and a SHA-256 of the ids and document lengths: equal exactly when the
-        rows, and so the split and every batch, are (given max_len, held_out and seed)."""
+        rows, and so the split and every batch, are (given max_len, held_out and seed). A prepared
+        corpus's SHA-256 is its manifest's fingerprint (the hashes of its files), read, not computed."""
+        if self._prepared is not None:
+            return {"documents": self.n_documents, "tokens": int(self._doc_lengths.sum()),
+                    "sha256": self._prepared.fingerprint, "format": "prepared"}
         h = hashlib.sha256(self._doc_lengths.astype("<i8").tobytes())
         h.update(self._flat.astype("<i4", copy=False).data)  # no copy of the corpus
         return {"documents": self.n_documents, "tokens": int(self._doc_lengths.sum()), "sha256": h.hexdigest()}
 
     def batch(self, step: int, batch_size: int, seed: int):
         """Training batch `step`: (tokens (B, L_max) int64 padded with PAD, lengths (B,) int64),
-        L_max the longest row in the batch. Epoch-wise seeded permutation (full batches only), so
-        it is a pure function of (step, batch_size, seed)."""
+        L_max the longest row in the batch, and packed, documents (B, L_max) int64 (packing.py).
+        Epoch-wise seeded permutation (full batches only), so it is a pure function of (step,
+        batch_size, seed)."""
         index = _epoch_indices(self, self.n_train, step, batch_size, seed)
         return self._train.gather(index.numpy())
 
     def held_out_batches(self, batch_size: int):
-        """Every held-out row once, in order, as (tokens, lengths) batches (the last may be short)."""
+        """Every held-out row once, in order, as (tokens, lengths) batches, packed (tokens, lengths,
+        documents) (the last may be short)."""
         batch_size = check_int("batch_size", batch_size, 1)
         for lo in range(0, self.n_held_out, batch_size):
             yield self._held.gather(np.arange(lo, min(lo + batch_size, self.n_held_out)))

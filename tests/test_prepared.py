@@ -1,0 +1,489 @@
+"""Pre-tokenised corpora (bst_fast/data/prepared.py): `bst-fast tokenize`, training from the folder
+without tokenising, weighted mixtures, an existing tokenizer by path, and every bad input's error."""
+import hashlib
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import bst_fast.data as data_pkg
+from bst_fast import TrainConfig, load_model, train
+from bst_fast.__main__ import main as cli
+from bst_fast.data import TextData, load_tokenizer, save_tokenizer, train_bpe
+from bst_fast.data import prepared as prep
+from bst_fast.data import text as text_mod
+from bst_fast.data.encode import PieceEncoder, piece_encodable
+from bst_fast.tasks import TextTask
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_test.yaml"
+WORDS = "once upon a time little tom saw a big red ball and he was very happy to play with it".split()
+
+
+def tiny(out, **changes):
+    d = TrainConfig.load(TINY).to_dict()
+    d.update(out_dir=str(out), **changes)
+    return TrainConfig.from_dict(d)
+
+
+def write_corpus(path: Path, n_docs=60, seed=0, words=WORDS):
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(3, 40)))) + "." for _ in range(n_docs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(docs) + "\n")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(text file, tokenizer.json, prepared corpus folder) of one small corpus."""
+    root = tmp_path_factory.mktemp("prepared")
+    text = root / "text" / "a.txt"
+    write_corpus(text)
+    tok = root / "tok.json"
+    save_tokenizer(train_bpe(text, vocab_size=300), tok)
+    out = root / "corpus"
+    assert cli([ "tokenize", str(text), "--out", str(out), "--tokenizer", str(tok), "--no-progress"]) == 0
+    return text, tok, out
+
+
+def rows(data, batches=6, batch_size=8, seed=0):
+    return [data.batch(s, batch_size, seed) for s in range(batches)]
+
+
+def same(a, b):
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and encoding: the same documents and ids as before, faster
+
+
+def test_streamed_reader_splits_as_the_whole_file_does(tmp_path, monkeypatch):
+    blank = re.compile(r"\n[ \t\r\f\v]*\n")
+
+    def whole(f):
+        return [b.strip() for b in blank.split(f.read_bytes().decode("utf-8-sig")) if b.strip()]
+
+    rnd = random.Random(1)
+    alphabet = ["a", "b", " ", "\n", "\n", "\t", "\r", "\x0c", "\x0b", "\u00e9", "\u65e5", "\u2028", "\x85",
+                "\ufeff", "  \n"]
+    f = tmp_path / "x.txt"
+    for _ in range(1500):
+        s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 60)))
+        f.write_bytes((("\ufeff" if rnd.random() < 0.3 else "") + s).encode())
+        monkeypatch.setattr(text_mod, "_READ_BYTES", rnd.randint(1, 9))
+        assert list(text_mod.iter_documents(f)) == whole(f), repr(s)
+    f.write_bytes(b"ok\n\n" * 5 + b"caf\xe9")  # the error names the byte in the file
+    with pytest.raises(ValueError, match=r"x\.txt: not UTF-8 text \(byte 23"):
+        list(text_mod.iter_documents(f))
+
+
+def test_piece_encoder_gives_the_tokenizers_own_ids(corpus):
+    tok = load_tokenizer(corpus[1])
+    assert piece_encodable(tok)
+    rnd = random.Random(0)
+    alphabet = list("ab c.,'!?\n\t\r  1234") + ["\u00a0", "\u2028", "\x85", "\x1c", "\u3000", "\u00e9", "\u65e5",
+                                               "'s", "'ll", "\u200b", "\u180e", "  ", "\x0b", "<bos>", "once", " upon"]
+    docs = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 60))) for _ in range(3000)]
+    enc = PieceEncoder(tok, np.uint16)
+    for lo in range(0, len(docs), 700):  # a cache that fills over several calls
+        flat, lengths = enc.encode(docs[lo:lo + 700])
+        ref = [e.ids for e in tok.encode_batch(docs[lo:lo + 700], add_special_tokens=False)]
+        assert lengths.tolist() == [len(r) for r in ref]
+        assert flat.tolist() == [i for r in ref for i in r]
+    assert enc.fast
+    from tokenizers import Tokenizer, normalizers
+
+    other = Tokenizer.from_str(tok.to_str())
+    other.normalizer = normalizers.Lowercase()  # not piece-wise: encode_batch itself is used
+    assert not piece_encodable(other) and not PieceEncoder(other).fast
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenize -> train
+
+
+def test_tokenize_writes_a_manifest_and_uint16(corpus):
+    text, tok, out = corpus
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "bst_fast.prepared" and m["version"] == 1 and m["dtype"] == "uint16"
+    assert m["documents"] == 60 and m["vocab_size"] == load_tokenizer(tok).get_vocab_size()
+    assert (out / "tokens.bin").stat().st_size == 2 * m["tokens"]
+    assert (out / "offsets.bin").stat().st_size == 8 * (m["documents"] + 1)
+    assert m["sha256"]["tokens"] == hashlib.sha256((out / "tokens.bin").read_bytes()).hexdigest()
+    assert m["fingerprint"] == prep.fingerprint_of(m) and m["source"]["files"] == 1
+    assert prep.dtype_for(65536) == np.uint16 and prep.dtype_for(65537) == np.uint32
+    assert not list(out.parent.glob(".corpus.*"))  # no temporary folder left
+
+
+def test_train_from_a_prepared_corpus_tokenises_nothing(corpus, tmp_path, monkeypatch):
+    text, tok, out = corpus
+
+    def refuse(*a, **k):
+        raise AssertionError("a prepared corpus was tokenised or a tokenizer trained")
+
+    monkeypatch.setattr(data_pkg, "train_bpe", refuse)
+    monkeypatch.setattr(text_mod, "train_bpe", refuse)
+    monkeypatch.setattr(text_mod, "_encode_documents", refuse)
+    monkeypatch.setattr(PieceEncoder, "encode", refuse)
+    cfg = tiny(tmp_path / "run", data=str(out), max_len=24, steps=4, eval_every=2, ckpt_every=2)
+    result = train(cfg)
+    assert math.isfinite(result["held_out_loss"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    saved = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert saved["sha256"] == manifest["fingerprint"] and saved["format"] == "prepared"
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000004"
+    assert load_tokenizer(ckpt / "tokenizer.json").to_str() == load_tokenizer(out / "tokenizer.json").to_str()
+    model, saved_cfg = load_model(ckpt)
+    assert saved_cfg.model.vocab_size == manifest["vocab_size"]
+
+
+def test_batches_equal_training_from_the_text_with_that_tokenizer(corpus, tmp_path, monkeypatch):
+    text, tok, out = corpus
+    monkeypatch.setattr(data_pkg, "train_bpe", lambda *a, **k: pytest.fail("train_bpe called"))
+    common = dict(max_len=12, batch_size=8, seed=5)
+    raw = TextTask(tiny(tmp_path, data=str(text), tokenizer=str(tok), **common))
+    ready = TextTask(tiny(tmp_path, data=str(out), **common))
+    assert raw.vocab_size == ready.vocab_size == load_tokenizer(tok).get_vocab_size()
+    assert same([raw.rows(s, 8)[:2] for s in range(12)], [ready.rows(s, 8)[:2] for s in range(12)])
+    assert same(list(raw.data.held_out_batches(5)), list(ready.data.held_out_batches(5)))
+    assert torch.equal(raw.data.held_out_lengths, ready.data.held_out_lengths)
+
+
+def test_resume_is_bitwise_exact_on_a_prepared_corpus(corpus, tmp_path):
+    out = corpus[2]
+    model = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16, "dropout": 0.1}
+    text = dict(data=str(out), max_len=16, steps=6, eval_every=0, ckpt_every=0, pairs=0.5, model=model)
+    train(tiny(tmp_path / "full", **text))
+    train(tiny(tmp_path / "cut", **text), stop_at=3)
+    train(tiny(tmp_path / "cut", **text), resume=True)
+    a, _ = load_model(tmp_path / "full")
+    b, _ = load_model(tmp_path / "cut")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_an_existing_tokenizer_for_raw_text(corpus, tmp_path, monkeypatch):
+    text, tok, _ = corpus
+    monkeypatch.setattr(data_pkg, "train_bpe", lambda *a, **k: pytest.fail("train_bpe called"))
+    task = TextTask(tiny(tmp_path, data=str(text), tokenizer=str(tok), text_vocab=5000, max_len=16))
+    assert task.vocab_size == load_tokenizer(tok).get_vocab_size()  # the tokenizer's, not text_vocab
+    with pytest.raises(ValueError, match="config field 'tokenizer': no such tokenizer file"):
+        TextTask(tiny(tmp_path, data=str(text), tokenizer=str(tmp_path / "none.json"), max_len=16))
+    with pytest.raises(ValueError, match="'tokenizer' must be '' for star-graph data"):
+        tiny(tmp_path, tokenizer=str(tok)).check()
+
+
+def test_max_doc_tokens_drops_long_documents(corpus, tmp_path, capsys):
+    text, tok, _ = corpus
+    out = tmp_path / "short"
+    assert cli(["tokenize", str(text), "--out", str(out), "--tokenizer", str(tok), "--max-doc-tokens", "20",
+                "--no-progress"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dropped_documents"] > 0 and m["documents"] + m["dropped_documents"] == 60
+    assert f"dropped {m['dropped_documents']} documents longer than 20 tokens" in capsys.readouterr().out
+    offsets = np.fromfile(out / "offsets.bin", dtype="<i8")
+    assert np.diff(offsets).max() <= 20
+
+
+def test_uint32_for_a_vocabulary_over_65536(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>"] + sorted(alphabet))}
+    vocab.update({f"x{k}": len(vocab) + k for k in range(70_000 - len(vocab))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    tok.save(str(tmp_path / "big.json"))
+    write_corpus(tmp_path / "t" / "a.txt", n_docs=10)
+    out = tmp_path / "big"
+    m = prep.tokenize_corpus(tmp_path / "t", out, tokenizer=tmp_path / "big.json")
+    assert m["dtype"] == "uint32" and m["vocab_size"] == 70_000
+    assert (out / "tokens.bin").stat().st_size == 4 * m["tokens"]
+    raw = TextData(tmp_path / "t", load_tokenizer(tmp_path / "big.json"), 16, seed=1)
+    assert same(rows(raw, batch_size=4, seed=1), rows(prep.prepared_text_data(out, 16, seed=1), batch_size=4, seed=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# mixtures
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, corpus):
+    """Two prepared corpora of one tokenizer, with no document in common."""
+    root = tmp_path_factory.mktemp("mix")
+    tok = corpus[1]
+    paths = []
+    for k, words in enumerate((WORDS[:9], WORDS[9:])):
+        write_corpus(root / f"t{k}" / "a.txt", n_docs=40, seed=k, words=words)
+        prep.tokenize_corpus(root / f"t{k}", root / f"c{k}", tokenizer=tok)
+        paths.append(root / f"c{k}")
+    return paths
+
+
+def test_mixture_draws_rows_by_weight(two, tmp_path):
+    cfg = tiny(tmp_path, data=[[str(two[0]), 3], str(two[1])], max_len=16, batch_size=16)
+    assert cfg.data == [[str(two[0]), 3.0], [str(two[1]), 1.0]]
+    task = TextTask(cfg)
+    mix = task.data
+    assert isinstance(mix, prep.MixtureData) and mix.n_train == sum(p.n_train for p in mix.parts)
+    drawn = np.concatenate([mix.draw(s, 16, cfg.seed) for s in range(400)])
+    share = (drawn == 0).mean()  # 6400 draws at p = 0.75: sd 0.0054
+    assert abs(share - 0.75) < 0.025, share
+    # each row is a row of the corpus it drew, and batches are pure functions of (seed, step)
+    sets = [{tuple(t[:n].tolist()) for t, n in zip(*p._train.gather(np.arange(p.n_train)))} for p in mix.parts]
+    for s in (0, 7, 33):
+        tokens, lengths = task.rows(s, 16)[:2]
+        which = mix.draw(s, 16, cfg.seed)
+        for r in range(16):
+            assert tuple(tokens[r, :lengths[r]].tolist()) in sets[which[r]]
+    again = TextTask(cfg)
+    assert same([again.rows(s, 16)[:2] for s in (33, 0, 7)], [task.rows(s, 16)[:2] for s in (33, 0, 7)])
+    # a corpus never repeats a row within a window of its size
+    seen = {}
+    for s in range(20):
+        which = mix.draw(s, 16, cfg.seed)
+        slots = s * 16 + np.arange(16)
+        for c in (0, 1):
+            for slot, row in zip(slots[which == c], mix._rows(c, slots[which == c], cfg.seed)):
+                seen.setdefault((c, slot // mix.parts[c].n_train), []).append(row)
+    assert all(len(v) == len(set(v)) for v in seen.values())
+    # the held-out rows are both corpora's
+    assert mix.n_held_out == sum(p.n_held_out for p in mix.parts) > 0
+
+
+def test_mixture_trains_and_resumes_from_a_yaml_list(two, tmp_path):
+    yaml = tmp_path / "mix.yaml"
+    yaml.write_text(TINY.read_text() + f"data:\n  - [{two[0]}, 2]\n  - {two[1]}\nmax_len: 16\nsteps: 4\n"
+                    f"eval_every: 2\nckpt_every: 2\nout_dir: {tmp_path / 'run'}\n")
+    cfg = TrainConfig.load(yaml)
+    assert cfg.data == [[str(two[0]), 2.0], [str(two[1]), 1.0]]
+    train(cfg, stop_at=2)
+    result = train(cfg, resume=True)
+    assert math.isfinite(result["held_out_loss"])
+    saved = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert [e["weight"] for e in saved["mixture"]] == pytest.approx([2 / 3, 1 / 3])
+
+
+def test_mixture_needs_one_tokenizer(two, corpus, tmp_path):
+    write_corpus(tmp_path / "t" / "a.txt", n_docs=30, seed=9)
+    prep.tokenize_corpus(tmp_path / "t", tmp_path / "other", vocab_size=280)  # its own tokenizer
+    cfg = tiny(tmp_path, data=[str(two[0]), str(tmp_path / "other")], max_len=16)
+    with pytest.raises(ValueError, match=r"must share one tokenizer.*c0.*other"):
+        TextTask(cfg)
+    with pytest.raises(ValueError, match=r"is not a prepared corpus.*takes prepared corpora only"):
+        TextTask(tiny(tmp_path, data=[str(two[0]), str(corpus[0])], max_len=16))
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf")])
+def test_mixture_weights_must_be_finite_and_positive(two, tmp_path, weight):
+    with pytest.raises(ValueError, match=r"config field 'data': the weight of .*c1.* must be a finite number > 0"):
+        tiny(tmp_path, data=[str(two[0]), [str(two[1]), weight]]).check()
+
+
+@pytest.mark.parametrize("data, match", [
+    ([], "non-empty list"),
+    (["star"], "star graphs are not mixed"),
+    ([["a", "b"]], r"\[path, weight\] pair"),
+    ([["a", 1, 2]], r"\[path, weight\] pair"),
+    ([3], r"\[path, weight\] pair"),
+])
+def test_bad_data_lists_name_the_field(tmp_path, data, match):
+    with pytest.raises(ValueError, match=r"config field 'data'.*" + match):
+        tiny(tmp_path, data=data).check()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rehash(folder: Path):
+    """Make the manifest agree with the files again (so that a deeper check is what fails)."""
+    m = json.loads((folder / "manifest.json").read_text())
+    tokens = (folder / "tokens.bin").read_bytes()
+    m["sha256"]["tokens"] = hashlib.sha256(tokens).hexdigest()
+    m["sha256"]["offsets"] = hashlib.sha256((folder / "offsets.bin").read_bytes()).hexdigest()
+    m["block_sha256"] = [hashlib.sha256(tokens[i:i + m["block_bytes"]]).hexdigest()
+                         for i in range(0, len(tokens), m["block_bytes"])]
+    m["fingerprint"] = prep.fingerprint_of(m)
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+def _edit(folder: Path, **fields):
+    m = json.loads((folder / "manifest.json").read_text())
+    m.update(fields)
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+def _poke(path: Path, index: int, value: int, dtype="<u2"):
+    a = np.fromfile(path, dtype=dtype)
+    a[index] = value
+    a.tofile(path)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not_json", r"manifest\.json: corrupt manifest \(not JSON"),
+    ("not_object", r"corrupt manifest \(a JSON list"),
+    ("bad_dtype", r"corrupt manifest: dtype must be"),
+    ("newer", r"format version 2 is newer"),
+    ("edited", r"fingerprint does not match its content"),
+    ("no_manifest", r"is not a prepared corpus: it holds no manifest\.json"),
+    ("short_tokens", r"tokens\.bin: \d+ bytes, but the manifest's .* make \d+"),
+    ("missing_offsets", r"offsets\.bin: missing"),
+    ("tokens_changed", r"tokens\.bin: block 0 .* does not match its SHA-256"),
+    ("offsets_changed", r"offsets\.bin: its SHA-256 does not match"),
+    ("tokenizer_changed", r"tokenizer\.json: its SHA-256 does not match"),
+    ("unsorted_offsets", r"offsets\.bin: offsets are not sorted: document 3 ends at"),
+    ("first_offset", r"offsets\.bin: the first document starts at 5"),
+    ("id_over_vocab", r"tokens\.bin: token id 65000 is outside the vocabulary"),
+])
+def test_a_bad_prepared_corpus_is_a_clear_error(corpus, tmp_path, case, match):
+    d = _copy(corpus[2], tmp_path / "c")
+    m = json.loads((d / "manifest.json").read_text())
+    if case == "not_json":
+        (d / "manifest.json").write_text("{not json")
+    elif case == "not_object":
+        (d / "manifest.json").write_text("[1, 2]")
+    elif case == "bad_dtype":
+        _edit(d, dtype="int8")
+    elif case == "newer":
+        _edit(d, version=2)
+    elif case == "edited":
+        _edit(d, tokens=m["tokens"] - 1)
+    elif case == "no_manifest":
+        (d / "manifest.json").unlink()
+    elif case == "short_tokens":
+        (d / "tokens.bin").write_bytes((d / "tokens.bin").read_bytes()[:-2])
+    elif case == "missing_offsets":
+        (d / "offsets.bin").unlink()
+    elif case == "tokens_changed":
+        _poke(d / "tokens.bin", 5, 7)
+    elif case == "offsets_changed":
+        _poke(d / "offsets.bin", 3, 4, dtype="<i8")
+    elif case == "tokenizer_changed":
+        (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace("\n", "\n "))
+    elif case == "unsorted_offsets":
+        off = np.fromfile(d / "offsets.bin", dtype="<i8")
+        off[4] = off[3] - 1
+        off.tofile(d / "offsets.bin")
+        _rehash(d)
+    elif case == "first_offset":
+        _poke(d / "offsets.bin", 0, 5, dtype="<i8")
+        _rehash(d)
+    elif case == "id_over_vocab":
+        _poke(d / "tokens.bin", 9, 65000)
+        _rehash(d)
+    with pytest.raises(ValueError, match=match):
+        prep.prepared_text_data(d, 16)
+    through_config = "no manifest.json: not a prepared corpus either" if case == "no_manifest" else match
+    with pytest.raises((ValueError, FileNotFoundError), match=through_config):  # and through the config, before training starts
+        train(tiny(tmp_path / "run", data=str(d), max_len=16))
+    assert not (tmp_path / "run" / "tokenizer.json").exists()
+
+
+def test_an_id_outside_the_vocabulary_in_an_unchecked_block_fails_when_read(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "BLOCK_BYTES", 64)  # many blocks
+    out = tmp_path / "c"
+    prep.tokenize_corpus(corpus[0], out, tokenizer=corpus[1])
+    n = json.loads((out / "manifest.json").read_text())["tokens"]
+    _poke(out / "tokens.bin", n // 2, 65000)
+    _rehash(out)
+    monkeypatch.setattr(prep, "VERIFY_ALL_BYTES", 0)  # opening checks the first and last blocks only
+    monkeypatch.setattr(prep, "VERIFY_BLOCKS", 0)
+    data = prep.prepared_text_data(out, 16, held_out=0)
+    with pytest.raises(ValueError, match=r"c: token id 65000 is outside the vocabulary 0\.\.\d+ \(the token file is corrupt"):
+        for s in range(data.n_train // 8 + 1):
+            data.batch(s, 8, 0)
+    monkeypatch.setattr(prep, "VERIFY_ALL_BYTES", 1 << 26)
+    with pytest.raises(ValueError, match="token id 65000"):
+        prep.prepared_text_data(out, 16)
+
+
+def test_the_output_folder_is_written_atomically_and_never_clobbered(corpus, tmp_path, capsys):
+    text, tok, _ = corpus
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert cli(["tokenize", str(text), "--out", str(other), "--tokenizer", str(tok), "--no-progress"]) == 2
+    assert "--out" in capsys.readouterr().err and (other / "notes.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prep.tokenize_corpus(text, empty, tokenizer=tok)
+    first = json.loads((empty / "manifest.json").read_text())
+    prep.tokenize_corpus(text, empty, tokenizer=tok, max_doc_tokens=10)  # a prepared corpus is replaced
+    assert json.loads((empty / "manifest.json").read_text())["documents"] < first["documents"]
+    with pytest.raises(ValueError, match="max_doc_tokens=1"):  # every document too long: nothing written
+        prep.tokenize_corpus(text, tmp_path / "none", tokenizer=tok, max_doc_tokens=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine"]  # no temporary folder left
+    for argv, match in ((["--tokenizer", str(tmp_path / "no.json")], "--tokenizer: no such tokenizer file"),
+                        (["--vocab", "100"], "--vocab must be >= 259"),
+                        (["--vocab", "300", "--tokenizer", str(tok)], "give one of them")):
+        assert cli(["tokenize", str(text), "--out", str(tmp_path / "x"), "--no-progress", *argv]) == 2
+        assert match in capsys.readouterr().err
+    assert cli(["tokenize", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_a_prepared_corpus_and_another_tokenizer_disagree(corpus, tmp_path):
+    text, tok, out = corpus
+    other = tmp_path / "other.json"
+    save_tokenizer(train_bpe(text, vocab_size=270), other)
+    with pytest.raises(ValueError, match="config field 'tokenizer' .* is not the tokenizer the prepared corpus"):
+        TextTask(tiny(tmp_path, data=str(out), tokenizer=str(other), max_len=16))
+    TextTask(tiny(tmp_path, data=str(out), tokenizer=str(tok), max_len=16))  # the same one: fine
+
+
+def test_the_command_line_and_bpe_training(tmp_path):
+    write_corpus(tmp_path / "t" / "a.txt", n_docs=30)
+    run = subprocess.run([sys.executable, "-m", "bst_fast", "tokenize", str(tmp_path / "t"), "--out",
+                          str(tmp_path / "c"), "--vocab", "280", "--no-progress"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "30 documents" in run.stdout and "uint16" in run.stdout
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    # the tokenizer trained is the one a text run trains
+    assert load_tokenizer(tmp_path / "c" / "tokenizer.json").to_str() == train_bpe(tmp_path / "t", 280).to_str()
+    assert m["tokenizer_origin"] == {"trained": {"vocab_size": 280, "sample_bytes": None}}
+    sampled = prep.tokenize_corpus(tmp_path / "t", tmp_path / "s", vocab_size=280, bpe_sample_bytes=300)
+    assert sampled["tokenizer_origin"]["trained"]["sample_bytes"] == 300
+
+
+def test_the_whitespace_set_is_pythons():
+    """The piece split's whitespace class is every character str.isspace holds but the space."""
+    from bst_fast.data import encode
+
+    cls = re.compile(f"[{encode._WHITESPACE}]")
+    want = {c for c in range(sys.maxunicode + 1) if chr(c).isspace() and c != 32}
+    assert {c for c in range(sys.maxunicode + 1) if cls.match(chr(c))} == want
+
+
+def test_the_ids_do_not_depend_on_the_workers(corpus, tmp_path):
+    text, tok, out = corpus
+    for workers in (0, 2):
+        m = prep.tokenize_corpus(text, tmp_path / f"w{workers}", tokenizer=tok, workers=workers)
+        assert m["fingerprint"] == json.loads((out / "manifest.json").read_text())["fingerprint"]
+
+
+def test_the_bench_runs(tmp_path):
+    out = tmp_path / "r.md"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "text_data.py"), "--size-mb", "0.3", "--dir",
+                          str(tmp_path / "b"), "--hf-mb", "0.1", "--steps", "5", "--workers", "0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = out.read_text()
+    assert "`tokenize --vocab 1000`" in text and "batches/s" in text and "peak RSS" in text
