@@ -212,3 +212,21 @@ def grads_of(loss, f, b, head, go):
     """[loss, d(go * loss)/df, /db, / every head parameter]."""
     return [loss.detach()] + list(torch.autograd.grad(loss, [f, b, *head.parameters()],
                                                       grad_outputs=torch.tensor(go, dtype=loss.dtype)))
+
+
+def contract_weights(chosen, full, kind, reduction, B):
+    """Each chosen pair's weight as docs/contract.md §4, §5 and §9 define it: `full[r]` = |P_r|, kind
+    "all", "listed" or "sampled" (a sampled pair of row r stands for |P_r| / k_r pairs)."""
+    n_r = {}
+    for r, _, _ in chosen:
+        n_r[r] = n_r.get(r, 0) + 1
+    weights = []
+    for r, _, _ in chosen:
+        stands = full[r] / n_r[r] if kind == "sampled" else 1.0
+        if reduction == "sum":
+            weights.append(stands)
+        elif reduction == "mean":
+            weights.append(stands / (len(chosen) if kind == "listed" else sum(full)))
+        else:  # row_mean: the row's mean over its pairs (all, listed or drawn), then over all B rows
+            weights.append(1.0 / (n_r[r] * B))
+    return weights

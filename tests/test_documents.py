@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from _helpers import TOL, brute_force, grads_of, make_head, random_grad_out, rel_err, switch
+from _helpers import TOL, brute_force, contract_weights, grads_of, make_head, random_grad_out, rel_err, switch
 from bst_fast import BeliefStateTransformer, ModelConfig, belief_state_loss, separated_documents
 from bst_fast import _pairs
 
@@ -117,17 +117,8 @@ def chosen_pairs(case, layout, f, b, tokens, documents):
             assert set(drawn) <= set(sets[r])
             k = min(max(1, round(pairs * full[r])) if isinstance(pairs, float) else pairs, full[r])
             assert len(drawn) == k, (r, drawn, k)
-    n_r = Counter(r for r, _, _ in chosen)
-    kind = "all" if pairs is None else "listed" if pairs == "listed" else "sampled"
-    weights = []
-    for r, _, _ in chosen:
-        stands = full[r] / n_r[r] if kind == "sampled" else 1.0
-        if reduction == "sum":
-            weights.append(stands)
-        elif reduction == "mean":
-            weights.append(stands / (len(chosen) if kind == "listed" else sum(full)))
-        else:
-            weights.append(1.0 / (n_r[r] * B))
+    kind = "all" if pairs is None else "sampled" if isinstance(pairs, (int, float)) else "listed"
+    weights = contract_weights(chosen, full, kind, reduction, B)
     return chosen, weights
 
 

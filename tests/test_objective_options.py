@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from _helpers import TOL, brute_force, grads_of, make_head, random_grad_out, rel_err, switch
+from _helpers import TOL, brute_force, contract_weights, grads_of, make_head, random_grad_out, rel_err, switch
 from bst_fast import BeliefStateLoss, belief_state_loss
 from bst_fast import _pairs
 
@@ -87,19 +87,8 @@ def chosen_pairs(case, f, b, tokens):
             assert set(drawn) <= set(pair_set(r, min_gap, max_gap))
             k = min(max(1, round(pairs * full[r])) if isinstance(pairs, float) else pairs, full[r])
             assert len(drawn) == k, (r, drawn, k)
-    n_r = Counter(r for r, _, _ in chosen)
-    kind = "all" if pairs is None else "explicit" if isinstance(pairs, tuple) else "sampled"
-    weights = []
-    for r, _, _ in chosen:
-        # the pairs standing for each chosen one: 1 (all, explicit) or |P_r| / k_r (sampled)
-        stands = full[r] / n_r[r] if kind == "sampled" else 1.0
-        if reduction == "sum":
-            w = stands
-        elif reduction == "mean":
-            w = stands / (len(chosen) if kind == "explicit" else sum(full))
-        else:  # row_mean: the row's mean over its pairs (all, listed or drawn), then over all B rows
-            w = 1.0 / (n_r[r] * B)
-        weights.append(w)
+    kind = "all" if pairs is None else "sampled" if isinstance(pairs, (int, float)) else "listed"
+    weights = contract_weights(chosen, full, kind, reduction, B)
     return chosen, weights
 
 
