@@ -124,9 +124,12 @@ def flat_pairs(p: Pairs, L: int):
     total = int(counts.sum())
     first = counts.cumsum(0) - counts  # slot of each prefix's first pair
     ia = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=total)
-    # the k-th pair of prefix (r, i) has j = lo[r, i] + k
-    step = (lo - torch.arange(L, device=dev)).reshape(-1)  # lo - i: min_gap without documents
-    ib = ia + step[ia] + (torch.arange(total, device=dev) - first[ia])
+    # the k-th pair of prefix (r, i) has j = lo[r, i] + k; lo - i is min_gap without documents
+    k = torch.arange(total, device=dev) - first[ia]
+    if p.bounds is None:
+        ib = ia + p.min_gap + k
+    else:
+        ib = ia + (lo - torch.arange(L, device=dev)).reshape(-1)[ia] + k
     return ia, ib, None if p.scale.dim() == 0 else p.scale[ia // L]
 
 
