@@ -15,6 +15,7 @@ story, or --sentences; blank lines between them) of --size-mb megabytes is writt
      (batch_size 64, max_len 256) rows from the memory map (warm page cache: the corpus was just written)
   5. the same with `pack: true` (docs/data.md): the start-up with packing, the share of the batches'
      positions that are padding unpacked and packed, and packed batches/s
+  6. the same with `pack: split` (rows cut from one stream of documents, read from the memory map)
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def hf_speed(text_path: Path, tok_path: Path, mb: float):
     return out
 
 
-def startup_and_batches(corpus: Path, steps: int, batch_size: int, max_len: int, pack: bool = False):
+def startup_and_batches(corpus: Path, steps: int, batch_size: int, max_len: int, pack=False):
     from bst_fast import TrainConfig
     from bst_fast.tasks import TextTask
 
@@ -226,6 +227,8 @@ def main():
     print("start-up and batches:", json.dumps(res["train_start"]), flush=True)
     res["packed"] = startup_and_batches(prepared, a.steps, 64, 256, pack=True)
     print("packed:", json.dumps(res["packed"]), flush=True)
+    res["split"] = startup_and_batches(prepared, a.steps, 64, 256, pack="split")
+    print("split:", json.dumps(res["split"]), flush=True)
     res["load_after"] = os.getloadavg()
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
@@ -272,6 +275,12 @@ def report(r) -> str:
                   f"of batches, each padded to its longest row; {st['padding_timed']:.1%} and {p['padding_timed']:.1%} "
                   f"in the batches timed); {p['batches_per_s']:.0f} packed batches/s "
                   f"({p['tokens_per_s'] / 1e6:.1f} M tokens/s).", ""]
+    if "split" in r:
+        p = r["split"]
+        lines += [f"Split (`pack: split`, rows of {p['max_len']}, batches of {p['batch_size']}): start-up "
+                  f"**{p['startup_s']:.2f} s** ({st['train_rows']} rows joined and cut into {p['train_rows']}); padding "
+                  f"**{p['padding_packed']:.2%}** of the positions ({p['padding_timed']:.2%} in the batches timed); "
+                  f"{p['batches_per_s']:.0f} split batches/s ({p['tokens_per_s'] / 1e6:.1f} M tokens/s).", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -67,7 +67,9 @@ class TrainConfig:
     tokenizer: str = ""  # raw text: a tokenizer.json to tokenise it with (its vocabulary sets the model's); "": train a BPE of text_vocab
     max_len: int = 256  # text rows hold at most this many tokens, BOS and EOS included; longer documents are cut
     max_doc_tokens: int = 0  # text: drop documents longer than this many tokens (the paper's TinyStories: 256); 0 keeps all
-    pack: bool = False  # text: pack whole documents (each BOS .. EOS) back to back into rows of max_len (docs/data.md)
+    # text: true packs whole documents (each BOS .. EOS) back to back into rows of max_len, padded; "split"
+    # joins them all into one stream cut into full rows of max_len, documents cut across rows (docs/data.md)
+    pack: Union[bool, str] = False
     model: ModelConfig = field(default_factory=ModelConfig)  # vocab_size / max_len are set from the data
     # --- objective ---
     pairs: Optional[float] = None  # None: all prefix/suffix pairs; a fraction in (0, 1]: subsample
@@ -269,6 +271,9 @@ def _from_dict(cls, d, prefix):
         default = field_default(known[key])
         if key == "data" and isinstance(value, (list, tuple)) and cls is TrainConfig:
             value = _data_list(value, name)
+        elif key == "pack" and cls is TrainConfig:
+            if not (isinstance(value, bool) or (isinstance(value, str) and value == "split")):
+                raise ValueError(f"config field {short(name)} must be false, true or 'split', got {short(value)}")
         elif dataclasses.is_dataclass(default):
             if isinstance(value, type(default)):
                 value = dataclasses.asdict(value)  # checked like a mapping, and copied

@@ -189,7 +189,8 @@ class TextTask:
                 given = load_tokenizer(cfg.tokenizer)
             except (ValueError, FileNotFoundError) as e:
                 raise ValueError(f"config field 'tokenizer': {e}") from None
-        # pack: documents back to back in rows of max_len (data/packing.py); max_doc_tokens: drop longer ones
+        # pack: documents back to back in rows of max_len, whole (true) or cut across rows ("split";
+        # data/packing.py); max_doc_tokens: drop longer ones
         rows = dict(pack=cfg.pack, max_doc_tokens=cfg.max_doc_tokens or None)
         if not isinstance(cfg.data, str) or is_prepared(cfg.data):
             self.data = open_data(cfg.data, cfg.max_len, seed=cfg.seed, **rows)
@@ -243,8 +244,9 @@ class TextTask:
                          f"{cfg.max_doc_tokens} tokens")
         if cfg.pack:
             before, after = self.data.padding(cfg.batch_size)
-            parts.append(f"packing: {before:.0%} of positions were padding, now {after:.0%} "
-                         f"({self.data.n_train} packed training rows of at most {cfg.max_len})")
+            rows = (f"{self.data.n_train} training rows of {cfg.max_len} tokens cut from one stream of documents"
+                    if cfg.pack == "split" else f"{self.data.n_train} packed training rows of at most {cfg.max_len}")
+            parts.append(f"packing: {before:.0%} of positions were padding, now {after:.0%} ({rows})")
         return "; ".join(parts)
 
     def rows(self, step, batch_size) -> Rows:

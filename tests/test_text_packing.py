@@ -1,5 +1,6 @@
-"""Packed text rows (`pack: true`, bst_fast/data/packing.py): whole documents back to back in rows of
-max_len, each as its unpacked row; the trainer's counts, micro-batches, held-out loss and resume on them."""
+"""Packed text rows (bst_fast/data/packing.py): `pack: true`, whole documents back to back in rows of
+max_len, each as its unpacked row; `pack: split`, every unpacked row joined into one stream cut into
+rows of exactly max_len; the trainer's counts, micro-batches, held-out loss and resume on them."""
 import math
 import re
 from pathlib import Path
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from bst_fast import BeliefStateTransformer, TrainConfig, load_model, train
-from bst_fast.config import resolve_config
-from bst_fast.data import TextData
+from bst_fast.config import apply_sets, resolve_config
+from bst_fast.data import TextData, load_tokenizer
 from bst_fast.data.packing import pack_greedily, padding_fraction
 from bst_fast.data.prepared import open_data, tokenize_corpus
 from bst_fast.trainer import build_run, train_step
@@ -64,6 +65,60 @@ def test_packing_keeps_every_document_whole_and_in_order(max_doc_tokens):
         assert all(int(lengths[r]) + int((ids[r + 1, :lengths[r + 1]] == 0).sum()) > L for r in range(len(tokens) - 1))
 
 
+def rows_of(rows):
+    """The valid part of each row of a (tokens, lengths[, documents]) batch, as lists of ids."""
+    return [rows[0][r, :rows[1][r]].tolist() for r in range(len(rows[0]))]
+
+
+@pytest.mark.parametrize("max_len, max_doc_tokens", [(16, None), (16, 20), (5, None), (40, None)])
+def test_split_rows_are_the_stream_of_unpacked_rows_cut_every_max_len(max_len, max_doc_tokens):
+    docs = documents()
+    kw = dict(vocab_size=40, max_len=max_len, held_out=0.2, seed=3, max_doc_tokens=max_doc_tokens)
+    plain, split = TextData.from_ids(docs, **kw), TextData.from_ids(docs, pack="split", **kw)
+    assert split.pack == "split" and split.packed and split.dropped_documents == plain.dropped_documents
+    for side in ("_train", "_held"):
+        units = getattr(plain, side).gather(np.arange(len(getattr(plain, side))))
+        rows = getattr(split, side).gather(np.arange(len(getattr(split, side))))
+        # nothing lost, added or reordered: the rows, joined, are the unpacked rows joined (train and
+        # held-out apart), and every row but the stream's last is exactly max_len long
+        stream = sum(rows_of(units), [])
+        assert sum(rows_of(rows), []) == stream
+        tokens, lengths, ids = rows
+        assert bool((lengths[:-1] == max_len).all()) and 1 <= int(lengths[-1]) <= max_len
+        assert len(tokens) == -(-len(stream) // max_len)
+        for r in range(len(tokens)):
+            n = int(lengths[r])
+            run, step = ids[r, :n], ids[r, 1:n] - ids[r, :n - 1]
+            # ids 0, 1, 2, ...: a new document at every BOS after the first position (content ids are
+            # 3..39), the part before the row's first BOS its own document 0
+            assert run[0] == 0 and torch.equal(step, (tokens[r, 1:n] == 1).long())
+            assert bool((ids[r, n:] == run[-1]).all())
+        # documents cut across rows: the fragments, each a run of one id, are the stream cut at every
+        # BOS and every row boundary
+        cuts = sorted({0, len(stream)} | {k for k, t in enumerate(stream) if t == 1}
+                      | set(range(0, len(stream), max_len)))
+        assert units_of([rows]) == [stream[a:b] for a, b in zip(cuts, cuts[1:])]
+        # a row gathered alone, or in any order, is the same row
+        order = np.random.default_rng(0).permutation(len(tokens))[:5]
+        again = getattr(split, side).gather(order)
+        assert rows_of(again) == [rows_of(rows)[r] for r in order]
+        assert all(torch.equal(again[2][b, :again[1][b]], ids[r, :lengths[r]]) for b, r in enumerate(order))
+    before, after = split.padding(4)
+    assert before == plain.padding(4)[0] and after <= min(before, 0.05)  # the stream's last row, if drawn
+
+
+def test_a_bad_pack_value_is_a_clear_error(tmp_path):
+    for bad in ("yes", "Split", 1, None, [True]):
+        with pytest.raises(ValueError, match="'pack' must be false, true or 'split'"):
+            tiny(tmp_path, pack=bad)
+        with pytest.raises(ValueError, match="pack must be False, True or 'split'"):
+            TextData.from_ids(documents(), vocab_size=40, max_len=16, pack=bad)
+    with pytest.raises(ValueError, match="'pack' must be false, true or 'split'"):
+        TrainConfig(data=str(tmp_path), pack="splits").check()  # a TrainConfig built directly, checked
+    assert apply_sets(tiny(tmp_path), ["pack=split"]).pack == "split"  # --set pack=split
+    assert apply_sets(tiny(tmp_path), ["pack=true"]).pack is True
+
+
 def test_pack_greedily_and_padding_fraction():
     assert pack_greedily([3, 4, 5, 2, 6, 6], 8).tolist() == [0, 2, 4, 5, 6]  # [3 4] [5 2] [6] [6]
     assert pack_greedily([], 8).tolist() == [0]
@@ -74,8 +129,9 @@ def test_pack_greedily_and_padding_fraction():
     assert padding_fraction([5, 5, 5], 3) == 0.0
 
 
-def test_packed_batches_are_pure_functions_of_seed_and_step():
-    a, b = (TextData.from_ids(documents(), vocab_size=40, max_len=16, pack=True, seed=1) for _ in range(2))
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_packed_batches_are_pure_functions_of_seed_and_step(pack):
+    a, b = (TextData.from_ids(documents(), vocab_size=40, max_len=16, pack=pack, seed=1) for _ in range(2))
     a.batch(0, 4, seed=1)
     for step in (5, 0, 9):
         assert all(torch.equal(x, y) for x, y in zip(a.batch(step, 4, seed=1), b.batch(step, 4, seed=1)))
@@ -98,13 +154,17 @@ def text(tmp_path, out="run", **changes):
     return tiny(tmp_path / out, data=str(corpus(tmp_path)), text_vocab=280, max_len=32, **{"pack": True, **changes})
 
 
-def test_a_packed_batch_is_its_documents_trained_alone(tmp_path):
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_a_packed_batch_is_its_documents_trained_alone(tmp_path, pack):
     """The step's counts and loss on a packed batch are those of its documents as unpacked rows:
-    pairs and next-token targets never cross a document, and each document reads only itself."""
-    run = build_run(text(tmp_path, batch_size=4, gamma=0.5, **{"model.dropout": 0.0}).check(), "cpu")
+    pairs and next-token targets never cross a document, and each document reads only itself (split
+    rows: each fragment of a document cut by a row boundary is trained alone, as its own row)."""
+    run = build_run(text(tmp_path, batch_size=4, gamma=0.5, pack=pack, **{"model.dropout": 0.0}).check(), "cpu")
     batch = run.batch(0)
     assert batch.documents is not None and int(batch.documents.max()) > 0  # several documents a row
     units = units_of([(batch.tokens, batch.lengths, batch.documents)])
+    if pack == "split":  # full rows, most starting and ending mid-document
+        assert bool((batch.lengths == 32).all()) and any(u[0] != 1 for u in units) and any(u[-1] != 2 for u in units)
     alone = torch.zeros(len(units), max(map(len, units)), dtype=torch.long)
     for k, u in enumerate(units):
         alone[k, :len(u)] = torch.tensor(u)
@@ -121,10 +181,11 @@ def test_a_packed_batch_is_its_documents_trained_alone(tmp_path):
         assert float(packed[key]) == pytest.approx(float(plain[key]), rel=1e-5)
 
 
-def test_grad_accum_on_packed_rows_gives_the_big_batchs_weights(tmp_path):
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_grad_accum_on_packed_rows_gives_the_big_batchs_weights(tmp_path, pack):
     runs = []
     for accum in (1, 2):
-        run = build_run(text(tmp_path, grad_accum=accum, batch_size=4, **{"model.dropout": 0.0}).check(), "cpu")
+        run = build_run(text(tmp_path, grad_accum=accum, batch_size=4, pack=pack, **{"model.dropout": 0.0}).check(), "cpu")
         losses = [float(train_step(run, step)) for step in range(3)]
         runs.append((losses, {k: v.detach().clone() for k, v in run.model.state_dict().items()}))
     (l1, p1), (l2, p2) = runs
@@ -132,11 +193,13 @@ def test_grad_accum_on_packed_rows_gives_the_big_batchs_weights(tmp_path):
     assert all(torch.allclose(p1[k], p2[k], atol=1e-6, rtol=1e-5) for k in p1)
 
 
-def test_a_packed_run_trains_and_logs_the_padding_it_saves(tmp_path, capfd):
-    cfg = text(tmp_path, steps=6, eval_every=1, log_every=1, warmup=0, lr=1e-2, min_lr=1e-2)
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_a_packed_run_trains_and_logs_the_padding_it_saves(tmp_path, capfd, pack):
+    cfg = text(tmp_path, steps=6, eval_every=1, log_every=1, warmup=0, lr=1e-2, min_lr=1e-2, pack=pack)
     result = train(cfg)
     line = re.search(r"packing: (\d+)% of positions were padding, now (\d+)%", capfd.readouterr().err)
-    assert line and int(line.group(2)) < int(line.group(1)) - 10, line  # 35% -> 18% on these few rows
+    # 35% -> 18% packed on these few rows; split rows are full but the stream's last
+    assert line and int(line.group(2)) < int(line.group(1)) - 10 and (pack is True or int(line.group(2)) <= 5), line
     rows = [r.split(",") for r in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]]
     held = [float(v) for _, k, v in rows if k == "held_out_loss"]
     assert len(held) == 6 and result["held_out_loss"] == held[-1]
@@ -144,15 +207,16 @@ def test_a_packed_run_trains_and_logs_the_padding_it_saves(tmp_path, capfd):
     assert held[0] > math.log(vocab) - 0.5 and held[-1] < held[0] - 0.3, held
 
 
-def test_a_packed_run_resumes_bitwise_exactly(tmp_path):
-    opts = dict(steps=6, ckpt_every=0, batch_size=4, pairs=0.5, **{"model.dropout": 0.1})
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_a_packed_run_resumes_bitwise_exactly(tmp_path, pack):
+    opts = dict(steps=6, ckpt_every=0, batch_size=4, pairs=0.5, pack=pack, **{"model.dropout": 0.1})
     train(text(tmp_path, "full", **opts))
     train(text(tmp_path, "cut", **opts), stop_at=3)
     train(text(tmp_path, "cut", **opts), resume=True)
     a, b = load_model(tmp_path / "full")[0], load_model(tmp_path / "cut")[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     with pytest.raises(ValueError, match="pack"):  # packing changes every batch: not a resumable change
-        train(text(tmp_path, "cut", **{**opts, "steps": 8}, pack=False), resume=True)
+        train(text(tmp_path, "cut", **{**opts, "steps": 8, "pack": "split" if pack is True else True}), resume=True)
 
 
 @pytest.mark.parametrize("changes, field", [({"pack": True}, "pack"), ({"max_doc_tokens": 256}, "max_doc_tokens"),
@@ -162,12 +226,13 @@ def test_pack_and_max_doc_tokens_on_star_graphs_are_clear_errors(tmp_path, chang
         tiny(tmp_path, **changes).check()
 
 
-def test_a_packed_mixture_of_prepared_corpora(tmp_path):
+@pytest.mark.parametrize("pack", [True, "split"])
+def test_a_packed_mixture_of_prepared_corpora(tmp_path, pack):
     """Each corpus is packed alone; a mixture's packed row is a packed row of the corpus it drew."""
     text = corpus(tmp_path)
     tokenize_corpus(text, tmp_path / "a", vocab_size=280, workers=0)
     tokenize_corpus(text, tmp_path / "b", tokenizer=tmp_path / "a" / "tokenizer.json", workers=0)
-    mix = open_data([[str(tmp_path / "a"), 2], [str(tmp_path / "b"), 1]], 32, pack=True)
+    mix = open_data([[str(tmp_path / "a"), 2], [str(tmp_path / "b"), 1]], 32, pack=pack)
     assert mix.packed and mix.n_train == sum(p.n_train for p in mix.parts) < open_data(str(tmp_path / "a"), 32).n_train * 2
     t, n, _ = mix.parts[0]._train.gather(np.arange(mix.parts[0].n_train))
     rows = {tuple(t[r, :n[r]].tolist()) for r in range(len(t))}
@@ -179,10 +244,24 @@ def test_a_packed_mixture_of_prepared_corpora(tmp_path):
     assert after < before
 
 
+def test_split_rows_of_a_prepared_corpus_are_read_from_its_memory_map(tmp_path):
+    """A prepared corpus's split rows are the raw text's (same tokenizer), read from the memory-mapped
+    token file row by row: the stream is never built."""
+    path = corpus(tmp_path)
+    tokenize_corpus(path, tmp_path / "a", vocab_size=280, workers=0)
+    raw = TextData(path, load_tokenizer(tmp_path / "a" / "tokenizer.json"), 32, pack="split")
+    prep = open_data(str(tmp_path / "a"), 32, pack="split")
+    assert isinstance(prep._train.units.flat, np.memmap) and not hasattr(prep._train, "tokens")
+    for side in ("_train", "_held"):
+        a, b = (getattr(d, side).gather(np.arange(len(getattr(d, side)))) for d in (raw, prep))
+        assert len(a[0]) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(raw.batch(2, 4, seed=0), prep.batch(2, 4, seed=0)))
+
+
 def test_the_tinystories_config_is_the_official_setup_and_trains(tmp_path):
     cfg = resolve_config("configs/tinystories.yaml").check()
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.head_type) == (8, 768, 8, "swiglu")
-    assert (cfg.text_vocab, cfg.max_len - 2, cfg.max_doc_tokens, cfg.pack) == (1000, 256, 256, True)
+    assert (cfg.text_vocab, cfg.max_len - 2, cfg.max_doc_tokens, cfg.pack) == (1000, 256, 256, "split")
     assert (cfg.batch_size, cfg.lr, cfg.weight_decay, cfg.grad_clip, cfg.steps) == (256, 3e-4, 0.1, 1.0, 100_000)
     assert (cfg.min_gap, cfg.meet_token, cfg.reduction, cfg.model.dropout) == (1, "eos", "row_mean", 0.0)
     # the model the data would complete (vocabulary 1000 with the specials), built without weights
@@ -196,4 +275,4 @@ def test_the_tinystories_config_is_the_official_setup_and_trains(tmp_path):
                  device="cpu", eval_every=2, ckpt_every=2, progress=False, out_dir=str(tmp_path / "run"),
                  model={"n_layer": 1, "d_model": 32, "n_head": 2})
     result = train("configs/tinystories.yaml", **small)
-    assert math.isfinite(result["held_out_loss"]) and load_model(tmp_path / "run")[1].pack
+    assert math.isfinite(result["held_out_loss"]) and load_model(tmp_path / "run")[1].pack == "split"

@@ -7,7 +7,8 @@ split at blank lines (one or more lines holding only whitespace); each non-empty
 document, so a file without blank lines is a single document. A document becomes rows
 [BOS, x_1, ..., x_T, EOS] of at most max_len tokens: a longer one is cut into consecutive chunks
 of max_len - 2 tokens, each wrapped in its own BOS/EOS (or, with max_doc_tokens, a document longer
-than that is dropped). pack=True then packs these rows several to a row of max_len (packing.py).
+than that is dropped). pack=True then packs these rows several to a row of max_len, pack="split"
+joins them into one stream cut into rows of exactly max_len (packing.py).
 
 The held-out split counts rows: round(held_out * rows) of them (at least one when held_out > 0
 and there are two rows, never all). Whole documents are taken in a seeded order, each one that
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from .._checks import check_int, short
-from .packing import PackedRows, padding_saved
+from .packing import PackedRows, SplitRows, check_pack, padding_saved
 from .star import _Batches, _epoch_indices
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 in a tokenizer from train_bpe
@@ -389,6 +390,15 @@ class _Rows:
         """(rows,) int64: every row's length, BOS and EOS included."""
         return self.sizes + 2
 
+    def read(self, at) -> np.ndarray:
+        """The content ids at positions `at` of the flat array (checked against self.limit)."""
+        ids = self.flat[at]
+        if self.limit is not None and len(ids) and int(ids.max()) >= self.limit[0]:
+            k = int(np.argmax(ids >= self.limit[0]))
+            raise ValueError(f"{self.limit[1]}: token id {int(ids[k])} is outside the vocabulary "
+                             f"0..{self.limit[0] - 1} (the token file is corrupt; tokenize the corpus again)")
+        return ids
+
     def gather(self, index):
         """(tokens (B, L_max) int64 padded with PAD, lengths (B,) int64) of rows `index`."""
         index = np.asarray(index, dtype=np.int64)
@@ -398,12 +408,7 @@ class _Rows:
         out[:, 0] = self.bos_id
         col = np.arange(width)
         inside = col[None, :] < sizes[:, None]                           # (B, width)
-        ids = self.flat[(self.starts[index, None] + col)[inside]]
-        if self.limit is not None and len(ids) and int(ids.max()) >= self.limit[0]:
-            at = int(np.argmax(ids >= self.limit[0]))
-            raise ValueError(f"{self.limit[1]}: token id {int(ids[at])} is outside the vocabulary "
-                             f"0..{self.limit[0] - 1} (the token file is corrupt; tokenize the corpus again)")
-        out[:, 1:width + 1][inside] = ids
+        out[:, 1:width + 1][inside] = self.read((self.starts[index, None] + col)[inside])
         out[np.arange(len(index)), sizes + 1] = self.eos_id
         return torch.from_numpy(out), torch.from_numpy(sizes + 2)        # (B, L_max), (B,)
 
@@ -413,16 +418,18 @@ class TextData(_Batches):
 
     Rows are [BOS, x..., EOS] (see the module docstring for the split); batches are padded with
     PAD and carry their lengths (docs/contract.md §1). pack=True packs those rows, train and
-    held-out apart, into rows of max_len (packing.py): batches are then (tokens, lengths,
-    documents). max_doc_tokens drops the documents longer than that many tokens (None: none; a
-    document longer than a row is otherwise cut into rows).
+    held-out apart, into rows of max_len, pack="split" cuts them, joined, into rows of exactly
+    max_len (packing.py): batches are then (tokens, lengths, documents). max_doc_tokens drops the
+    documents longer than that many tokens (None: none; a document longer than a row is otherwise
+    cut into rows).
     """
 
     def __init__(self, paths, tokenizer, max_len: int, held_out: float = 0.05, seed: int = 0,
-                 progress=None, pack: bool = False, max_doc_tokens: int | None = None):
+                 progress=None, pack: bool | str = False, max_doc_tokens: int | None = None):
         """progress: a bar on stderr while the corpus is tokenised (None: only for more than
         PROGRESS_BYTES of files)."""
         max_len, held_out, seed = _check_split(max_len, held_out, seed)  # before reading anything
+        check_pack(pack)
         ids = {}
         for name in SPECIAL_TOKENS:
             ids[name] = tokenizer.token_to_id(name)
@@ -446,7 +453,7 @@ class TextData(_Batches):
     @classmethod
     def from_ids(cls, rows, vocab_size: int, source_name: str | None = None, *,
                  max_len: int | None = None, held_out: float = 0.05, seed: int = 0,
-                 pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, pack: bool = False,
+                 pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, pack: bool | str = False,
                  max_doc_tokens: int | None = None) -> "TextData":
         """Pre-tokenised documents: `rows` is a path to a .npy/.pt file (see load_ids), an array,
         or a list of id sequences, one document each, holding content ids only (BOS/EOS are
@@ -456,6 +463,7 @@ class TextData(_Batches):
         vocab_size = check_int("vocab_size", vocab_size, 1)
         # before a file is read; max_len None is replaced below by the longest document's
         checked_len, held_out, seed = _check_split(3 if max_len is None else max_len, held_out, seed)
+        check_pack(pack)
         if isinstance(rows, (str, Path)):
             source_name = source_name or _shown(rows, True)
             rows = load_ids(rows)
@@ -517,9 +525,11 @@ class TextData(_Batches):
         self._train = _Rows(flat, starts[~held], sizes[~held], self.pad_id, self.bos_id, self.eos_id)
         self._held = _Rows(flat, starts[held], sizes[held], self.pad_id, self.bos_id, self.eos_id)
         self._train.limit = self._held.limit = limit
-        self.packed = bool(pack)
+        self.pack = check_pack(pack)
+        self.packed = bool(pack)  # batches carry documents
         if pack:  # the split is the unpacked rows': packing changes no row's side
-            self._train, self._held = PackedRows(self._train, max_len), PackedRows(self._held, max_len)
+            rows = SplitRows if pack == "split" else PackedRows
+            self._train, self._held = rows(self._train, max_len), rows(self._held, max_len)
         self._perm_cache = (None, None)
 
     @property
@@ -537,7 +547,7 @@ class TextData(_Batches):
 
     def padding(self, batch_size: int) -> tuple[float, float]:
         """(unpacked, packed): the share of padding in an epoch of training batches of the unpacked
-        rows and of the packed ones (packing.padding_saved; the same twice when not packed)."""
+        rows and of the packed (or split) ones (packing.padding_saved; the same twice when not packed)."""
         return padding_saved([self._train], batch_size, self.seed)
 
     @property
