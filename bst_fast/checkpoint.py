@@ -22,7 +22,7 @@ import torch
 
 from ._checks import short
 from .config import TrainConfig
-from .files import atomic_write, disk_full, fsync, sha256, temporary_name
+from .files import atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
 BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
@@ -58,7 +58,13 @@ def _unshared(state):
 
 def non_finite(tensors: Dict[str, torch.Tensor]) -> List[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity."""
-    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    floats = {k: v for k, v in tensors.items() if v.is_floating_point()}
+    # One fused call instead of an isfinite pass per tensor (0.6 ms instead of 3-4 ms at star_cpu): a
+    # tensor's 2-norm is NaN or infinite whenever one of its values is. A finite tensor's norm can
+    # still overflow (float32 values beyond ~1e19), so a non-finite norm is checked value by value.
+    if not floats or bool(torch.stack(torch._foreach_norm(list(floats.values()))).isfinite().all()):
+        return []
+    return [k for k, v in floats.items() if not bool(torch.isfinite(v).all())]
 
 
 def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int, log=None,
@@ -79,30 +85,33 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     root = Path(out_dir) / "checkpoints"
     final = root / (BEST if best else f"step-{step:08d}")
     tmp = temporary_name(final)
-    # The checks and the hashing run on a second thread while the main one pickles the optimizer
-    # state (torch and hashlib release the GIL): verification adds little to a save's time.
-    pool = ThreadPoolExecutor(1)
+    pool = None
     try:
-        finite = pool.submit(non_finite, weights)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file(weights, str(tmp / WEIGHTS))
-        hashes = {WEIGHTS: pool.submit(sha256, tmp / WEIGHTS)}
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "log": log}, tmp / STATE)
-        hashes[STATE] = pool.submit(sha256, tmp / STATE)
-        bad = finite.result()
-        if bad:
-            raise NonFiniteWeights(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
         if task is not None:
             task.save(tmp)
         if best:
             (tmp / BEST_JSON).write_text(json.dumps(best, indent=1))
-        # hashed by reading back what was just written (the page cache: no disk read)
-        sums = {path.name: hashes[path.name].result() if path.name in hashes else sha256(path)
-                for path in tmp.iterdir()}
+        # The verification (~10 ms of CPU at star_cpu: sha256 of 10 MB, the finiteness check) runs while
+        # the disk writes the big files (~9 ms), which it is first asked to start: the fsyncs below
+        # then wait only for what is left. The weights are hashed on a second thread (a second core,
+        # when one is free). Measured slower: hashing on threads beside the pickling (they fight it for
+        # the GIL and the core) or while this thread sat in fsync (it then started the disk late).
+        for name in (WEIGHTS, STATE):
+            start_writeback(tmp / name)
+        pool = ThreadPoolExecutor(1)
+        weights_sum = pool.submit(sha256_written, tmp / WEIGHTS)
+        bad = non_finite(weights)
+        if bad:
+            raise NonFiniteWeights(f"refusing to save a checkpoint at step {step}: non-finite values in {bad[:5]}")
+        sums = {STATE: sha256_written(tmp / STATE), WEIGHTS: weights_sum.result()}
+        sums.update((path.name, sha256_written(path)) for path in tmp.iterdir() if path.name not in sums)
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
         for path in (*tmp.iterdir(), tmp):  # on disk before the rename makes them the checkpoint
             fsync(path)
@@ -125,7 +134,8 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(root, step, e, full)) from e
     finally:
-        pool.shutdown(wait=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
     if not best:
         prune(root, final, keep)
     return final

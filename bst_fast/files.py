@@ -5,9 +5,12 @@ written under a name unique to this process, synced, then renamed over its final
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
+import mmap
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +22,34 @@ def fsync(path: Path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), which the os module lacks; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the dirty pages, wait for nothing
+
+
+def start_writeback(path: Path):
+    """Asks the kernel to start writing a file's dirty pages to the disk and returns at once, so that
+    work needing the CPU, not the disk, can run meanwhile; the fsync that must follow then waits only
+    for the rest. A hint (on Linux; nothing elsewhere): no metadata, no promise, errors left to fsync."""
+    if _SYNC_FILE_RANGE is not None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        finally:
+            os.close(fd)
 
 
 def temporary_name(path: Path) -> Path:
@@ -46,6 +77,17 @@ def sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256_written(path: Path) -> str:
+    """sha256(path) of a file this process just wrote, hashed where it lies in the page cache through a
+    memory map: no copy (reading 7 MB into buffers costs ~1 ms more of CPU). Not for files that may be
+    damaged or shrink (verify's): there a read error is a SIGBUS, not an OSError."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:  # mmap refuses an empty file
+            return hashlib.sha256().hexdigest()
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return hashlib.sha256(mapped).hexdigest()
 
 
 def disk_full(error: BaseException) -> bool:
