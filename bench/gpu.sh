@@ -67,9 +67,9 @@ step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
 # packed rows (docs/contract.md §10) against one document a row, the same documents and pairs, the
-# triton backend (issue 22's GPU line): 256 documents of 8..256 tokens at the profile's width
+# triton backend (issue 22's GPU line): 256 documents of 8..256 tokens at the profile's width; then both encoders (4 blocks) with SDPA and flex_attention
 step 60 packed python3 bench/packed.py --device cuda --dtype bfloat16 --docs 256 --T 256 --d-model 512 --hidden 512 \
-    --backend triton --reps 7 --out "$out/$slug"
+    --backend triton --reps 7 --enc-layers 4 --enc-heads 8 --out "$out/$slug"
 P="python3 bench/pairs.py --device cuda --dtype bfloat16 --forward --subsample-T 0"
 [ "$quick" = 1 ] && P="$P --reps 5 --no-compile" || P="$P --reps 7"
 # Any head: TextHead and the official residual SwiGLU head through every backend that takes them.

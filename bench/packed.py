@@ -11,13 +11,18 @@ the documents' triangles), so the loss is the same number: the bench checks that
 of --reps runs after a warm-up, pairs/s, the padding of each layout and the peak memory growth,
 and writes JSON and markdown to bench/results/<device>/packed.{json,md} (or --out).
 
-What it does not time: the encoders, whose work falls with the padding (packed rows are fewer).
+Then the encoders on the packed rows: both encoders of a BeliefStateTransformer (--enc-layers
+blocks), forward + backward, with the block-diagonal attention as SDPA with a dense mask
+(model.attention "sdpa") and as flex_attention with a block mask ("flex", compiled once, untimed).
+On the CPU flex has no backward: both are timed forward only there.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -25,7 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss  # noqa: E402
+from bst_fast import (BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead,  # noqa: E402
+                      belief_state_loss)
 from bst_fast._pairs import pair_counts  # noqa: E402
 
 # bench/pairs.py's timer, memory probe and device name, loaded by path (bench/ stays off sys.path:
@@ -81,6 +87,43 @@ def layouts(sizes, T, m, V, dtype, device, seed):
     return ({k: move(v) for k, v in unpacked.items()}, {k: move(v) for k, v in packed.items()})
 
 
+def once(fn, device) -> float:
+    """Seconds of one fn() call, the GPU's work included."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def encoder_times(x, args, dtype):
+    """{attention: median seconds} of both encoders over the packed rows `x`, forward + backward on
+    a GPU (forward only on the CPU, where flex_attention has no backward), same weights."""
+    T = x["tokens"].shape[1]
+    cfg = ModelConfig(vocab_size=args.vocab, max_len=T, n_layer=args.enc_layers, d_model=args.d_model,
+                      n_head=args.enc_heads)
+    torch.manual_seed(args.seed)
+    base = BeliefStateTransformer(cfg).to(args.device)
+    train = args.device != "cpu"
+    out = {}
+    for attention in ("sdpa", "flex"):
+        model = BeliefStateTransformer(ModelConfig(**{**cfg.__dict__, "attention": attention})).to(args.device)
+        model.load_state_dict(base.state_dict())
+
+        def step():
+            with torch.autocast(args.device, dtype=dtype, enabled=dtype != torch.float32), \
+                    torch.set_grad_enabled(train):
+                f = model.prefix_states(x["tokens"], x["documents"])
+                b = model.suffix_states(x["tokens"], x["lengths"], x["documents"])
+            if train:
+                model.zero_grad(set_to_none=True)
+                (f.float().square().mean() + b.float().square().mean()).backward()
+        step()  # flex compiles here, untimed
+        out[attention] = bench_pairs.timed(step, args.device, args.reps)[0]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -95,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--min-gap", type=int, default=1, help="1 trains meet pairs (meet token 0)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--enc-layers", type=int, default=2, help="blocks per encoder in the encoder timing (0: skip it)")
+    ap.add_argument("--enc-heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="folder for packed.json and packed.md")
     args = ap.parse_args(argv)
@@ -121,27 +166,42 @@ def main(argv=None):
     if not agree < tol:
         raise SystemExit(f"packed and unpacked losses differ: {c.item()} vs {a.item()} (rel {agree:.2e})")
 
-    results = []
-    for name, x in (("unpacked", unpacked), ("packed", packed)):
+    # The two layouts' steps alternate, rep by rep (a busy machine's drift hits both alike); the peak
+    # memory is each one's first, untimed run.
+    layouts_ = (("unpacked", unpacked), ("packed", packed))
+    steps, times, mems = {}, {name: [] for name, _ in layouts_}, {}
+    for name, x in layouts_:
         f, b = x["f"].clone().requires_grad_(), x["b"].clone().requires_grad_()
-        y = dict(x, f=f, b=b)
 
-        def step():
+        def step(y=dict(x, f=f, b=b)):
             head.zero_grad(set_to_none=True)
-            f.grad = b.grad = None
+            y["f"].grad = y["b"].grad = None
             loss(y).backward()
-        sec, mem = bench_pairs.timed(step, args.device, args.reps)
+        steps[name] = step
+        with bench_pairs.PeakMemory(args.device) as mem:
+            once(step, args.device)
+        mems[name] = mem.growth
+    for _ in range(args.reps):
+        for name, _ in layouts_:
+            times[name].append(once(steps[name], args.device))
+    results = []
+    for name, x in layouts_:
+        sec = statistics.median(times[name])
         B, T = x["tokens"].shape
         n_pairs = int(pair_counts(x["lengths"], torch.zeros_like(x["lengths"]), args.min_gap, T, T,
                                   documents=x.get("documents")).sum())
         real = int(x["lengths"].sum())
         results.append(dict(layout=name, rows=B, T=T, real_tokens=real, padding=1 - real / (B * T),
-                            pairs=n_pairs, seconds=sec, pairs_per_s=n_pairs / sec, peak_mem_mb=mem / 2**20))
+                            pairs=n_pairs, seconds=sec, pairs_per_s=n_pairs / sec, peak_mem_mb=mems[name] / 2**20))
+    enc = encoder_times(packed, args, dtype) if args.enc_layers else {}
     device = bench_pairs.device_name(args.device)
     report = dict(device=device, dtype=args.dtype, head=args.head, backend=args.backend, d_model=args.d_model,
                   hidden=args.hidden, vocab=args.vocab, documents=args.docs, min_len=args.min_len,
                   min_gap=args.min_gap, reps=args.reps, loss_rel_diff=agree, results=results,
-                  packed_over_unpacked=results[1]["seconds"] / results[0]["seconds"])
+                  packed_over_unpacked=results[1]["seconds"] / results[0]["seconds"],
+                  encoders=dict(layers=args.enc_layers, heads=args.enc_heads,
+                                timed="forward" if args.device == "cpu" else "forward+backward",
+                                seconds=enc) if enc else None)
     lines = [f"# Packed against unpacked rows: the loss alone, forward + backward ({device}, {args.dtype})", "",
              f"{args.docs} documents of {args.min_len}..{args.T} tokens, head {args.head} (m={args.d_model}, "
              f"h={args.hidden}, V={args.vocab}), backend {args.backend}, min_gap {args.min_gap}, median of "
@@ -151,6 +211,11 @@ def main(argv=None):
         lines.append(f"| {r['layout']} | {r['rows']} x {r['T']} | {r['padding']:.0%} | {r['pairs']} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['pairs_per_s'] / 1e6:.2f} | {r['peak_mem_mb']:.0f} |")
     lines += ["", f"packed / unpacked time: {report['packed_over_unpacked']:.2f}"]
+    if enc:
+        e = report["encoders"]
+        lines += ["", f"Both encoders on the packed rows ({args.enc_layers} blocks, {args.enc_heads} heads, "
+                      f"{e['timed']}): SDPA with a dense mask {enc['sdpa'] * 1e3:.1f} ms, flex_attention with a "
+                      f"block mask {enc['flex'] * 1e3:.1f} ms (flex / sdpa {enc['flex'] / enc['sdpa']:.2f})."]
     print("\n".join(lines))
     out = args.out or ROOT / "bench" / "results" / device
     out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,9 @@ from .loss import belief_state_loss
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
 
 
+ATTENTIONS = ("sdpa", "flex")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 56  # tokens, specials included
@@ -36,6 +39,9 @@ class ModelConfig:
     head_tie_embedding: bool = False  # swiglu: its lm_head shares the forward encoder's token embedding
     gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
     backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
+    # packed rows' block-diagonal attention (docs/contract.md §10): "sdpa", a dense (B, T, T) mask, or
+    # "flex", torch's flex_attention with a block mask (compiled; skips the blocks no document spans)
+    attention: str = "sdpa"
 
     def check(self, prefix: str = "model."):
         """Raise a ValueError naming the first field out of range (`prefix` + its name); the head's
@@ -64,6 +70,10 @@ class ModelConfig:
             bad("mlp_ratio", "a finite number > 0")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "in [0, 1)")
+        if self.attention not in ATTENTIONS:
+            bad("attention", f"one of {ATTENTIONS}")
+        if self.attention == "flex" and self.dropout:
+            bad("attention", "'sdpa' with dropout > 0 (flex_attention has no attention dropout)")
         if self.head_type not in HEAD_TYPES:
             bad("head_type", f"one of {HEAD_TYPES}")
         problem = text_head_problem(self.head_hidden, self.head_layers, self.head_activation)
@@ -87,6 +97,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d), nn.Dropout(dropout))
 
     def attend(self, x, cache=None, mask=None):
+        """mask: None (causal), a (B, 1, T, T) bool mask for SDPA, or a flex_attention BlockMask."""
         B, T, d = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
         if cache is not None:  # incremental decoding: (k, v) of the positions already read
@@ -96,8 +107,14 @@ class Block(nn.Module):
         causal = cache is None or T > 1
         if cache is not None and T > 1 and k.shape[2] != T:
             raise ValueError("a cached encoder reads a prompt once, then one token at a time")
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if mask is not None and not torch.is_tensor(mask):  # a BlockMask (ModelConfig.attention "flex")
+            if x.device.type == "cpu" and torch.is_grad_enabled() and x.requires_grad:
+                raise ValueError("model.attention 'flex' trains on a CUDA GPU only (torch's flex_attention has "
+                                 "no backward on the CPU): use 'sdpa' there")
+            y = _flex_attention()(q, k, v, block_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
     def forward(self, x, cache=None, mask=None):
@@ -110,7 +127,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, segments: int = 0):
         super().__init__()
-        self.max_len = cfg.max_len
+        self.max_len, self.attention = cfg.max_len, cfg.attention
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
         self.seg = nn.Embedding(segments, cfg.d_model) if segments else None
@@ -134,14 +151,38 @@ class Encoder(nn.Module):
                 raise ValueError("packed documents are encoded whole, not decoded incrementally")
             x = self.tok(tokens) + self.pos(document_positions(documents))
             # block-diagonal causal attention: a position reads its own document's earlier positions
-            t = torch.arange(T, device=tokens.device)
-            mask = ((t[None, :] <= t[:, None])[None] & (documents[:, :, None] == documents[:, None, :]))[:, None]
+            mask = document_mask(documents, self.attention)
         if self.seg is not None:
             x = x + self.seg.weight[segment]
         x = self.drop(x)
         for k, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[k], mask)
         return self.ln(x)
+
+
+def document_mask(documents, attention: str = "sdpa"):
+    """Causal attention within each document of packed rows ((B, T) ids): for "sdpa" a (B, 1, T, T)
+    bool mask, for "flex" a BlockMask (flex_attention then skips every block no document spans)."""
+    B, T = documents.shape
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def within(b, h, q, k):
+            return (k <= q) & (documents[b, q] == documents[b, k])
+        return create_block_mask(within, B, None, T, T, device=documents.device)
+    t = torch.arange(T, device=documents.device)
+    return ((t[None, :] <= t[:, None])[None] & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+_FLEX = []
+
+
+def _flex_attention():
+    """flex_attention compiled once per process (uncompiled it is a slow reference implementation)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
 
 
 def document_positions(documents):

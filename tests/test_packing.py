@@ -33,3 +33,33 @@ def test_a_packed_row_encodes_each_document_as_its_own_row(shared):
         start += len(p)
     # one row without documents reads across the boundary: the documents change the states
     assert not torch.allclose(model.prefix_states(row)[0, 7:9], f[0, 7:9])
+
+
+def test_flex_attention_reads_the_documents_as_sdpa_does():
+    """model.attention "flex" (flex_attention with a block mask, compiled) gives the states of the
+    dense-mask SDPA path on packed rows, new documents reusing the one compiled graph; on the CPU,
+    where flex has no backward, a training call is a clear error."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=20, max_len=40, n_layer=2, d_model=16, n_head=2, head_hidden=16)
+    sdpa = BeliefStateTransformer(cfg).eval()
+    flex = BeliefStateTransformer(ModelConfig(**{**cfg.__dict__, "attention": "flex"})).eval()
+    flex.load_state_dict(sdpa.state_dict())
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        docs = torch.sort(torch.randint(0, 4, (3, 40), generator=g), 1).values
+        tokens = torch.randint(0, 20, (3, 40), generator=g)
+        with torch.no_grad():
+            for side in ("prefix", "suffix"):
+                want = getattr(sdpa, f"{side}_states")(tokens, documents=docs)
+                got = getattr(flex, f"{side}_states")(tokens, documents=docs)
+                assert torch.allclose(got, want, atol=1e-5), side
+    with pytest.raises(ValueError, match="flex.*CUDA GPU only"):
+        flex.train()(tokens, documents=docs)
+
+
+@pytest.mark.parametrize("change,error", [({"attention": "flash"}, "one of"),
+                                          ({"attention": "flex", "dropout": 0.1}, "dropout")])
+def test_attention_field_is_checked(change, error):
+    with pytest.raises(ValueError, match=f"model.attention.*{error}"):
+        ModelConfig(**change).check()
