@@ -152,7 +152,7 @@ def test_text_data_bench_runs_every_step_on_a_tiny_corpus(tmp_path):
 
 
 def test_packed_bench_checks_the_two_layouts_agree_and_times_both(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "packed.py"), "--docs", "6", "--T", "12", "--d-model", "8",
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "packed.py"), "--docs", "6", "--T", "16", "--min-len", "2", "--d-model", "8",
                           "--hidden", "8", "--vocab", "11", "--reps", "2", "--enc-layers", "0", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -160,4 +160,5 @@ def test_packed_bench_checks_the_two_layouts_agree_and_times_both(tmp_path):
     unpacked, packed = report["results"]
     assert unpacked["pairs"] == packed["pairs"] > 0 and report["loss_rel_diff"] < 1e-4
     assert unpacked["real_tokens"] == packed["real_tokens"] and packed["rows"] < unpacked["rows"]
+    assert packed["padding"] < unpacked["padding"]
     assert all(r["seconds"] > 0 for r in report["results"])
