@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from ._checks import short
 from .config import apply_sets, bundled_configs
 
 CONFIGS = bundled_configs()
@@ -66,7 +67,7 @@ def _resolve_checkpoint(path):
         ckpt = find_checkpoint(path)
         model, cfg = load_model(ckpt)
     except Exception as e:  # json, safetensors and shape errors alike: the file is not a usable checkpoint
-        raise ValueError(f"cannot load checkpoint {path}: {e}") from e
+        raise ValueError(f"cannot load checkpoint {short(str(path))}: {short(str(e), 500)}") from e
     model.eval()
     return ckpt, model, cfg
 
@@ -89,7 +90,7 @@ class _StarCodec:
             elif w in self.words:
                 ids.append(self.words[w])
             else:
-                raise ValueError(f"{w!r} is out of the star-graph vocabulary: nodes 0..{self.tok.n_nodes - 1}, "
+                raise ValueError(f"{short(w)} is out of the star-graph vocabulary: nodes 0..{self.tok.n_nodes - 1}, "
                                  f"'|', '/', '=' (e.g. --prefix \"3 7 | 7 2 | 3 5 | 5 1 / 3 2 =\")")
         return ids
 
@@ -226,7 +227,7 @@ def cmd_probe(args):
     for path in args.checkpoint:
         _, model, cfg = _resolve_checkpoint(path)
         if cfg.data != "star" or cfg.method not in ("bst", "forward"):
-            raise ValueError(f"{path}: probes read star-graph BST or forward-only checkpoints, not {cfg.method} on {cfg.data}")
+            raise ValueError(f"{short(str(path))}: probes read star-graph BST or forward-only checkpoints, not {cfg.method} on {cfg.data}")
         # A seed the run never used, so probe graphs are fresh.
         data = StarGraphData(cfg.star_degree, cfg.star_path_len, cfg.star_nodes, args.n_train, args.n_test, seed=cfg.seed + 12345)
         ks = range(1, data.path_len + 1)

@@ -443,7 +443,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if any(x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex() or x.dim() != 1
                for x in (row, i, j)) \
                 or not (row.shape == i.shape == j.shape):
-            _fail(ValueError, f"pairs (row, i, j) must be three 1-D integer tensors of one length, got "
+            _fail(ValueError, "pairs (row, i, j) must be three 1-D integer tensors of one length, got "
                               + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in (row, i, j)))
         if row.numel() == 0:
             _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")

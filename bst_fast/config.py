@@ -435,6 +435,8 @@ def apply_sets(cfg: TrainConfig, sets: Iterable[str]) -> TrainConfig:
         else:
             try:
                 parsed = load_yaml(value)
+            except RecursionError:  # nested past the parser's depth: bad input, as a nested config file is
+                raise ValueError(f"--set {short(key)}: the value is nested too deeply") from None
             except (yaml.YAMLError, ValueError) as e:
                 raise ValueError(f"--set {short(key)}: {short(value)} is not a YAML value ({short(str(e))})") from None
         overrides.append((key, parsed))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -81,9 +82,26 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
+def _check_out(out: Path):
+    """A ValueError, before any run trains, when the table could not be written to `out`: a file on
+    the way to its folder, a folder in its place, or a folder that is not writable."""
+    from ._checks import short
+
+    if out.is_dir():
+        raise ValueError(f"table --out {short(str(out))} is a folder: give a file name")
+    existing = next((p for p in out.parents if p.exists()), None)  # the folder it is written in, or made in
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"table --out {short(str(out))}: {short(str(existing))} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK) \
+            and not (existing == out.parent and os.access(out, os.W_OK)):
+        raise ValueError(f"table --out {short(str(out))}: {short(str(existing))} is not writable")
+
+
 def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
     """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
     per method; `out`: also write the table there, below `note`."""
+    if out:
+        _check_out(Path(out))
     rows = []  # every row's config is checked before the first one trains
     for label, changes in TABLE_ROWS:
         cfg = apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in {**TABLE_BASE, **changes}.items()]).check()

@@ -1,40 +1,56 @@
 """bst_fast.run_folder: a run's folder, owned by the run, and its metrics log.
 
 A folder becomes a run folder at the run's first start, when a marker file (.bst_fast_run.json:
-the run id and the format version) is written. Only a marked folder is ever deleted from, and then
-only the files a run writes (RUN_FILES, checkpoints named step-N, TensorBoard event files); a
-folder with anything else in it and no marker is refused. While a run trains, it holds an
-exclusive lock on the folder (flock on .bst_fast.lock, released by the kernel if the process
-dies), so a second process on the same folder stops at once, naming the holder.
+a JSON object with the run id and the format version) is written. Only a folder with a valid marker
+is ever deleted from, and then only the files a run writes (RUN_FILES, checkpoints named step-N,
+TensorBoard event files, this package's own temporary files); a folder with anything else in it and
+no valid marker is refused. A run's own files and folders must be what the run makes of them
+(regular files, real folders: never symbolic links, which would make the run write or delete where
+they point). While a run trains, it holds an exclusive lock on the folder (flock on .bst_fast.lock,
+released by the kernel if the process dies), so a second process on the same folder stops at once,
+naming the holder.
 """
 from __future__ import annotations
 
 import csv
 import datetime
+import errno
 import fcntl
 import json
 import os
+import re
 import shutil
+import stat
 import sys
 import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from ._checks import short
-from .checkpoint import BEST, checkpoint_step, latest_checkpoint, remove_stale
+from .checkpoint import BEST, OWN_TEMPORARY, checkpoint_step, latest_checkpoint, remove_stale
 from .files import atomic_write
 
 MARKER, LOCK = ".bst_fast_run.json", ".bst_fast.lock"
 FORMAT = 1
 METRICS = "metrics.csv"
-# What a run writes at the top of its folder; checkpoints/ and tensorboard/ are emptied of their
-# own kind of files only (step-N folders, `latest`; event files).
-RUN_FILES = ("checkpoints", METRICS, "tensorboard", "tokenizer.json", "data.json")
-STARTED = ("checkpoints", METRICS)  # a folder holding either has a run that trained
+FOLDERS = ("checkpoints", "tensorboard")  # the run's folders, emptied of their own kind of files only
+FILES = (METRICS, "tokenizer.json", "data.json")  # the run's files at the top of its folder
+# What a run writes at the top of its folder; a new run in a folder holding any of them needs --overwrite.
+RUN_FILES = FOLDERS + FILES
+# files.temporary_name's names, `.<name>.<pid>.tmp` (the rule lives in files.py; this is the same rule
+# as a pattern, as checkpoint.OWN_TEMPORARY is in checkpoints/): only those of the names this
+# package writes are ever cleaned up, never a user's own `.something.tmp`.
+TOP_TEMPORARY = re.compile(r"\.(" + "|".join(map(re.escape, (MARKER, *FILES))) + r")\.[0-9]+\.tmp")
+
+
+def _cut(value, limit: int = 200) -> str:
+    """A path or a name quoted in a message, cut to `limit` characters (its head and its tail)."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit // 2] + "..." + text[-(limit // 2):]
 
 
 def _listing(path: Path, limit: int = 10) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    names = sorted(_cut(p.name, 60) + ("/" if p.is_dir() else "") for p in path.iterdir())
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
@@ -47,13 +63,53 @@ def _protected(path: Path) -> Optional[str]:
         try:
             if real == place.resolve():
                 return name
-        except OSError:
+        except (OSError, RuntimeError):  # no home folder, a loop
             continue
     return None
 
 
+def _kind_fault(path: Path, folder: bool) -> Optional[str]:
+    """What is wrong with a run's own file or folder `path`, or None when it is absent or of its
+    kind: a symbolic link (even a dangling one) would make the run write or delete where it points."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return (f"{_cut(path)} is a symbolic link; a run's own files and folders are never links (the run would "
+                f"write or delete where it points): remove the link or choose another out_dir")
+    if folder and not stat.S_ISDIR(mode):
+        return (f"{_cut(path)} is not a folder, where the run keeps its {path.name}: move it away or choose "
+                f"another out_dir")
+    if not folder and not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        return f"{_cut(path)} is {what}, where the run writes a file: move it away or choose another out_dir"
+    return None
+
+
+def marker_fault(folder: Path) -> Optional[str]:
+    """Why `folder`'s marker does not make it a run folder ("no marker" included), or None when it
+    does: a regular file holding a JSON object of a known format with a run id."""
+    path = Path(folder) / MARKER
+    fault = _kind_fault(path, folder=False)
+    if fault:
+        return fault
+    if not path.exists():
+        return f"no {MARKER}"
+    try:
+        with path.open("rb") as fh:
+            data = json.loads(fh.read(65536))
+    except (OSError, ValueError) as e:  # unreadable, not JSON, not UTF-8
+        return f"its {MARKER} is not a bst_fast marker ({type(e).__name__})"
+    if not isinstance(data, dict) or data.get("format") != FORMAT or isinstance(data.get("format"), bool) \
+            or not isinstance(data.get("run_id"), str) or not data["run_id"]:
+        return f"its {MARKER} is not a bst_fast marker of format {FORMAT} with a run id"
+    return None
+
+
 class RunFolder:
-    """The out_dir of one run: `check` before anything is written, then `claim` (lock, clean, mark)."""
+    """The out_dir of one run: `hold` (lock a folder that exists), `check` before anything is
+    written, then `claim` (create, lock) and `start` (clean, mark)."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -61,54 +117,93 @@ class RunFolder:
 
     @property
     def marked(self) -> bool:
-        return (self.path / MARKER).is_file()
+        return marker_fault(self.path) is None
 
     def check(self, resume: bool, overwrite: bool) -> Optional[Path]:
         """The checkpoint a resumed run continues from (None for a new run). Changes nothing; raises
         a ValueError when the folder cannot take the run: a file on the way, a folder holding
-        something other than a bst_fast run, a run there without --resume or --overwrite, --resume
-        with nothing to resume, an overwrite of a folder that is never deleted from."""
+        something other than a bst_fast run, a run file of the wrong kind (a link, a folder for a
+        file), a run there without --resume or --overwrite, --resume with nothing to resume, an
+        overwrite of a folder that is never deleted from or of files that cannot be deleted."""
         out = self.path
         try:
             # The nearest existing folder on the way must be a folder: a file there is an error by name.
             existing = next((p for p in (out, *out.parents) if p.exists()), None)
             if existing is not None and not existing.is_dir():
-                raise ValueError(f"out_dir {out}: {existing} is a file, not a folder")
+                raise ValueError(f"out_dir {_cut(out)}: {_cut(existing)} is a file, not a folder")
             if not out.exists():
                 if resume:
-                    raise ValueError(f"--resume: no checkpoint to resume: out_dir {out} does not exist")
+                    raise ValueError(f"--resume: no checkpoint to resume: out_dir {_cut(out)} does not exist")
                 return None
-            if not self.marked:
+            fault = _kind_fault(out / LOCK, folder=False)
+            if fault:
+                raise ValueError(fault)
+            fault = marker_fault(out)
+            if fault:
                 foreign = [p for p in out.iterdir() if p.name != LOCK]
                 if foreign:
-                    raise ValueError(f"out_dir {out} is not a bst_fast run folder (no {MARKER}) and is not empty: it "
-                                     f"holds {_listing(out)}; nothing there is deleted or written over: choose an "
-                                     f"empty or new out_dir")
+                    raise ValueError(f"out_dir {_cut(out)} is not a bst_fast run folder ({fault}) and is not empty: "
+                                     f"it holds {_listing(out)}; nothing there is deleted or written over: choose "
+                                     f"an empty or new out_dir")
                 if resume:
-                    raise ValueError(f"--resume: no checkpoint to resume: out_dir {out} is empty")
+                    raise ValueError(f"--resume: no checkpoint to resume: out_dir {_cut(out)} is empty")
                 return None
+            for name in RUN_FILES:
+                fault = _kind_fault(out / name, folder=name in FOLDERS)
+                if fault:
+                    raise ValueError(fault)
+            ckpts = out / "checkpoints"
+            # checkpoints/' own names: `latest` a file, step-N and best real folders (a link there
+            # would be resumed from, saved over or pruned through)
+            for path in (ckpts.iterdir() if ckpts.is_dir() else ()):
+                if path.name == "latest" or checkpoint_step(path) is not None or path.name == BEST:
+                    fault = _kind_fault(path, folder=path.name != "latest")
+                    if fault:
+                        raise ValueError(fault)
             if resume:
                 ckpt = latest_checkpoint(out)
                 if ckpt is None:
-                    raise ValueError(f"--resume: no checkpoint under {out / 'checkpoints'}")
+                    raise ValueError(f"--resume: no checkpoint under {_cut(out / 'checkpoints')}")
                 return ckpt
-            held = [n for n in STARTED if (out / n).exists()]
-            if held and not overwrite:
-                raise ValueError(f"out_dir {out} already holds a run ({', '.join(held)}): resume it (--resume), "
-                                 f"start over in it (--overwrite) or choose another out_dir")
+            held = [n for n in RUN_FILES if os.path.lexists(out / n)]
             if held and _protected(out):
-                raise ValueError(f"--overwrite: out_dir {out} is {_protected(out)}, which is never deleted from; "
-                                 f"choose another out_dir")
+                raise ValueError(f"out_dir {_cut(out)} is {_protected(out)}, which is never deleted from, and holds a "
+                                 f"run ({', '.join(held)}): resume it (--resume) or choose another out_dir")
+            if held and not overwrite:
+                raise ValueError(f"out_dir {_cut(out)} already holds a run ({', '.join(held)}): resume it (--resume), "
+                                 f"start over in it (--overwrite) or choose another out_dir")
+            # Every folder something is deleted in (a step folder's subfolders too) must let it go:
+            # a permission found halfway would leave the old run half deleted.
+            doomed = self._doomed()
+            places = {p.parent for p in doomed}
+            for p in doomed:
+                if p.is_dir() and not p.is_symlink():
+                    places.update(Path(root) for root, _, _ in os.walk(p))
+            for place in sorted(places):
+                if not os.access(place, os.W_OK | os.X_OK):
+                    raise ValueError(f"--overwrite: {_cut(place)} is not writable, so the old run's files there "
+                                     f"cannot be deleted; nothing was deleted: fix its permissions or choose another "
+                                     f"out_dir")
             return None
         except OSError as e:  # a symlink loop, a folder without permission
-            raise ValueError(f"out_dir {out} cannot be used: {e.strerror or e} ({short(str(e))})") from None
+            raise ValueError(f"out_dir {_cut(out)} cannot be used: {e.strerror or type(e).__name__} "
+                             f"({short(str(e))})") from None
+
+    def hold(self):
+        """Locks a folder that already has a lock file, before anything in it is read: a second process
+        on a folder a run trains in stops here, naming the holder, rather than reading checkpoints the
+        holder is writing and pruning. (A folder without a lock file has no run holding it; `claim`
+        creates and locks it.)"""
+        if self.lock_fd is None and self.path.is_dir() and os.path.lexists(self.path / LOCK):
+            self.lock()
 
     def claim(self):
         """Takes the folder for this run: creates it and locks it (a second process stops here). Call
         `check` first and again after (another process may have changed the folder before the lock
         was taken), then `start`."""
         self.path.mkdir(parents=True, exist_ok=True)
-        self.lock()
+        if self.lock_fd is None:
+            self.lock()
 
     def start(self, new_run: bool):
         """After `claim` and a second `check`: a new run deletes an earlier run's files (only a marked
@@ -116,56 +211,101 @@ class RunFolder:
         temporary files of a killed save."""
         if new_run and self.marked:
             self.clear()
-        remove_stale(self.path / "checkpoints")
-        for path in self.path.glob(".*.tmp"):
-            path.unlink(missing_ok=True) if not path.is_dir() else shutil.rmtree(path, ignore_errors=True)
+        self._remove_temporaries()
         if new_run or not self.marked:
             marker = {"format": FORMAT, "run_id": uuid.uuid4().hex,
                       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             atomic_write(self.path / MARKER, lambda p: p.write_text(json.dumps(marker, indent=1)))
 
-    def clear(self):
-        """Deletes the files a run writes, and nothing else (see the module docstring)."""
-        out = self.path
+    def _remove_temporaries(self):
+        """The temporary files of a killed save (their process is gone: this one holds the lock), by
+        their exact names. Never at the top of a folder that is never deleted from."""
+        remove_stale(self.path / "checkpoints")  # puts back a best whose swap was killed halfway
+        if not _protected(self.path):
+            for path in self.path.iterdir():
+                if TOP_TEMPORARY.fullmatch(path.name):
+                    _delete(path)
+
+    def _doomed(self) -> List[Path]:
+        """What `clear` deletes: the files a run writes, and nothing else (see the module docstring)."""
+        out, doomed = self.path, []
         ckpts = out / "checkpoints"
         if ckpts.is_dir() and not ckpts.is_symlink():
             for path in ckpts.iterdir():
-                ours = ((checkpoint_step(path) is not None or path.name == BEST) and path.is_dir()
-                        and not path.is_symlink()) or \
-                    path.name == "latest" or (path.name.startswith(".") and path.name.endswith(".tmp"))
-                if ours:
-                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-            _remove_if_empty(ckpts)
+                real_dir = path.is_dir() and not path.is_symlink()
+                if ((checkpoint_step(path) is not None or path.name == BEST) and real_dir) or \
+                        (path.name == "latest" and not real_dir) or OWN_TEMPORARY.fullmatch(path.name):
+                    doomed.append(path)
         tb = out / "tensorboard"
         if tb.is_dir() and not tb.is_symlink():
-            for path in tb.glob("events.out.tfevents.*"):
-                if path.is_file():
-                    path.unlink()
-            _remove_if_empty(tb)
-        for name in (METRICS, "tokenizer.json", "data.json"):
-            if (out / name).is_file() or (out / name).is_symlink():
-                (out / name).unlink()
+            doomed += [p for p in tb.glob("events.out.tfevents.*") if p.is_file() and not p.is_symlink()]
+        doomed += [out / name for name in FILES if (out / name).is_file() and not (out / name).is_symlink()]
+        return doomed
+
+    def clear(self):
+        """Deletes the files a run writes, and nothing else (see the module docstring); then the run's
+        folders if that left them empty."""
+        for path in self._doomed():
+            _delete(path)
+        for name in FOLDERS:
+            if not (self.path / name).is_symlink():
+                _remove_if_empty(self.path / name)
 
     def lock(self):
         """An exclusive lock on the folder for this process; a ValueError naming the holder's pid when
-        another process holds it."""
+        another process holds it. The lock file is opened without following a link and must be a
+        regular file: the pid is never written through a link into someone's file."""
         path = self.path / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fault = _kind_fault(path, folder=False)
+        if fault:
+            raise ValueError(fault)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # made a link since the check above
+                raise ValueError(_kind_fault(path, folder=False) or f"{_cut(path)} is a symbolic link") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
+                                 f"or choose another out_dir")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                raise ValueError(f"out_dir {_cut(self.path)} is in use by another process "
+                                 f"(pid {holder if holder.isdigit() else 'unknown'}), which holds {_cut(path)}: "
+                                 f"one run per folder at a time") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"out_dir {self.path} is in use by another process (pid {holder}), which holds "
-                             f"{path}: one run per folder at a time") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+            raise
         self.lock_fd = fd
 
     def unlock(self):
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # closing releases the flock
             self.lock_fd = None
+
+
+def _delete(path: Path):
+    """Deletes a file, a link (never what it points to) or a folder; a failure names the full path
+    (shutil.rmtree's own error names only the file within its folder)."""
+    def failed(where, error: OSError):
+        raise OSError(error.errno, f"could not delete {_cut(where)} ({error.strerror or error}): fix its "
+                                   f"permissions (or immutable flag) and start again") from None
+
+    if path.is_dir() and not path.is_symlink():
+        if sys.version_info >= (3, 12):  # onerror is deprecated there
+            shutil.rmtree(path, onexc=lambda _f, where, error: failed(where, error))
+        else:
+            shutil.rmtree(path, onerror=lambda _f, where, info: failed(where, info[1]))
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            failed(path, e)
 
 
 def _remove_if_empty(path: Path):

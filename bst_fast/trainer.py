@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
+from ._checks import short
 from .checkpoint import best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
@@ -224,16 +225,10 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     return Run(cfg, task, model, model, optimizer, scheduler, objective, device, world, rank)
 
 
-def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bool):
-    """A Run ready to train, or the logged figures (a dict) of a run that is already at its end.
-    Every check comes first (config, folder, data, model, the backend on the first batch); only
-    then is the run folder locked, cleaned and written."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = _device(cfg, world)
-    rank = dist.get_rank() if world > 1 else 0
-    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
-        raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
-    folder = RunFolder(cfg.out_dir)
+def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optional[int], overwrite: bool,
+             device: str, world: int, rank: int):
+    """_setup's checks, then (rank 0) the claim of the run folder: (run, start, end, loaded state),
+    or the logged figures of a run already at its end."""
     ckpt = folder.check(resume, overwrite)
     run = build_run(cfg, device, ckpt, world, rank)
     cfg, task, model, optimizer, scheduler = run.cfg, run.task, run.model, run.optimizer, run.scheduler
@@ -245,7 +240,15 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
               f"({'steps' if stop_at is None or stop_at >= cfg.steps else 'stop_at'} = {end}): nothing to "
               f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
         return {"step": float(start), **logged_at(Path(cfg.out_dir), start)}
-    with torch.no_grad():  # the backend takes this head on this device, and the data gives a batch
+    if cfg.compile:
+        # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
+        # Compiled here, so that the first batch below compiles the training graph (with grad, as
+        # a step runs it) and a broken compiler fails before the folder is touched.
+        model.forward_encoder.compile()
+        if getattr(model, "backward_encoder", None) is not None:
+            model.backward_encoder.compile()
+    # the backend takes this head on this device, and the data gives a batch
+    with torch.enable_grad() if cfg.compile else torch.no_grad():
         part = run.batch(start).split(cfg.grad_accum)[0]
         with autocast_for(device):
             run.objective(model, part.tokens, part.lengths, prefix_start=part.prefix_start, generator=torch.Generator(),
@@ -253,22 +256,51 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
                           documents=part.documents)
     if rank == 0:
         folder.claim()
-        try:
-            if folder.check(resume, overwrite) != ckpt:  # changed before the lock was taken
-                raise ValueError(f"out_dir {cfg.out_dir} changed while this run started; start it again")
-            folder.start(new_run=ckpt is None)
-            task.save(folder.path)
-        except BaseException:
-            folder.unlock()
-            raise
+        if folder.check(resume, overwrite) != ckpt:  # changed before the lock was taken
+            raise ValueError(f"out_dir {short(cfg.out_dir)} changed while this run started; start it again")
+        folder.start(new_run=ckpt is None)
+        task.save(folder.path)
         run.folder = folder
+    return run, start, end, state
+
+
+def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bool):
+    """A Run ready to train, or the logged figures (a dict) of a run that is already at its end.
+    Every check comes first (config, folder, data, model, the backend and a compile on the first
+    batch); only then is the run folder claimed, cleaned and written. An existing folder's lock is
+    taken before anything else, so that a folder in use stops this run before it reads a checkpoint."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = _device(cfg, world)
+    rank = dist.get_rank() if world > 1 else 0
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
+    folder = RunFolder(cfg.out_dir)
+    try:
+        if rank == 0:
+            # Locked before anything in it is read: a second process on a folder a run trains in
+            # stops here, naming the holder, not on a checkpoint the holder is pruning.
+            folder.hold()
+        setup = _prepare(cfg, folder, resume, stop_at, overwrite, device, world, rank)
+    except BaseException:
+        folder.unlock()
+        raise
+    if isinstance(setup, dict):
+        folder.unlock()
+        return setup
+    run, start, end, state = setup
+    try:
+        return _ready(run, start, end, state)
+    except BaseException:
+        run.close()  # the lock with it
+        raise
+
+
+def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
+    """The rest of _setup once the folder is claimed: the schedule, DDP, the logs, the open interval."""
+    cfg, optimizer, scheduler, model = run.cfg, run.optimizer, run.scheduler, run.model
+    device, world, rank = run.device, run.world, run.rank
     if world > 1:
         dist.barrier()
-    if cfg.compile:
-        # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
-        model.forward_encoder.compile()
-        if getattr(model, "backward_encoder", None) is not None:
-            model.backward_encoder.compile()
     # The saved lr is the old schedule's; a resume that changed steps continues on the new one
     # (unchanged steps: the same product, so the same value as saved).
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):

@@ -17,7 +17,7 @@ from bst_fast import TrainConfig, load_model, train
 from bst_fast import checkpoint as ckpt_mod
 from bst_fast.checkpoint import CHECKSUMS, latest_checkpoint, prune
 from bst_fast.config import resolve_config
-from bst_fast.files import sha256
+from bst_fast.files import sha256, sha256_written, start_writeback
 from bst_fast.run_folder import LOCK, MARKER, RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,9 @@ def one_error_line(proc):
 
 
 def snapshot(folder: Path):
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+    """Every path and file content under `folder`; the lock file's content is the pid of the last
+    process that locked the folder (a refused one too), so only its presence counts."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() and p.name != LOCK else None)
             for p in sorted(folder.rglob("*"))}
 
 
@@ -270,6 +272,26 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
     assert latest_checkpoint(d).name == "step-00000003"
 
 
+def test_the_fused_finiteness_check_misses_nothing_and_accuses_nothing():
+    # one fused norm over all tensors, then a value-by-value check only when a norm is not finite
+    fine = {"a": torch.ones(3), "big": torch.full((100,), 1e30), "i": torch.arange(3), "h": torch.ones(5).half()}
+    assert ckpt_mod.non_finite(fine) == [] and ckpt_mod.non_finite({}) == []  # 1e30: its float32 norm overflows
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for n, at in ((1, 0), (17, 16), (1000, 503)):
+                t = torch.zeros(n, dtype=dtype)
+                t[at] = bad
+                assert ckpt_mod.non_finite({**fine, "x": t, "y": torch.ones(2)}) == ["x"], (dtype, bad, n)
+
+
+def test_a_written_file_hashes_as_read(tmp_path):
+    for size in (0, 1, 5 << 20):
+        f = tmp_path / f"f{size}"
+        f.write_bytes(os.urandom(size))
+        start_writeback(f)  # the save's order: the disk starts writing, then the hash
+        assert sha256_written(f) == sha256(f)
+
+
 def test_optimizer_state_of_another_shape_is_refused(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     train(tiny(a), stop_at=3)
@@ -434,3 +456,232 @@ def test_sigkill_mid_run_resumes_bitwise_and_frees_the_lock(tmp_path, one_thread
     a, _ = load_model(full)
     b, _ = load_model(cut)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---- 11. the adversarial review of issue 20: links, markers, protected folders, order of checks
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One finished tiny run; each test works on its own copy (`run_copy`)."""
+    d = tmp_path_factory.mktemp("trained") / "run"
+    train(tiny(d))
+    return d
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(trained, d, symlinks=True)
+    return d
+
+
+def marked(d: Path, *files):
+    """A folder with a valid marker (as a run's first start writes it) and user files `files`."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / MARKER).write_text(json.dumps({"format": 1, "run_id": "a"}))
+    for name in files:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text("user")
+    return d
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "tensorboard"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_linked_run_folder_is_refused_and_its_target_kept(tmp_path, name, resume):
+    foreign = tmp_path / "foreign"
+    (foreign / "step-00000001").mkdir(parents=True)
+    (foreign / "step-00000001" / "w.pt").write_text("precious")
+    (foreign / ".mine.tmp").write_text("keep")
+    (foreign / "events.out.tfevents.1.h").write_text("ev")
+    d = marked(tmp_path / "r")
+    (d / name).symlink_to(foreign)
+    before = snapshot(foreign)
+    with pytest.raises(ValueError, match="symbolic link"):
+        train(tiny(d), overwrite=True, resume=resume)
+    assert snapshot(foreign) == before
+
+
+def test_only_this_packages_temporary_files_are_cleaned_up(run_copy):
+    d = run_copy
+    user = [d / ".notes.tmp", d / ".cache.tmp" / "f", d / "checkpoints" / ".mine.tmp", d / ".metrics.csv.tmp"]
+    for path in user:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("user")
+    own = [d / ".metrics.csv.4242.tmp", d / f".{MARKER}.4242.tmp", d / "checkpoints" / ".latest.4242.tmp",
+           d / "checkpoints" / ".step-00000009.4242.tmp"]
+    for path in own:
+        path.write_text("stale")
+    train(tiny(d, steps=8), resume=True)
+    assert all(p.read_text() == "user" for p in user)
+    assert not any(p.exists() for p in own)
+
+
+@pytest.mark.parametrize("marker", ["", "{{{", '{"format": 99, "run_id": "x"}', "[1]", '{"format": 1}',
+                                    '{"format": true, "run_id": "x"}', '{"format": 1, "run_id": ""}'])
+def test_a_bad_marker_makes_the_folder_foreign(tmp_path, marker):
+    d = tmp_path / "f"
+    d.mkdir()
+    for name in ("tokenizer.json", "data.json"):
+        (d / name).write_text("user")
+    (d / MARKER).write_text(marker)
+    before = snapshot(d)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"not a bst_fast run folder.*data\.json.*tokenizer\.json"):
+            train(tiny(d), overwrite=overwrite)
+    assert snapshot(d) == before
+
+
+def test_a_new_run_over_any_run_file_needs_overwrite(tmp_path):
+    d = marked(tmp_path / "m", "tokenizer.json", "data.json")
+    with pytest.raises(ValueError, match=r"already holds a run \(tokenizer\.json, data\.json\)"):
+        train(tiny(d))
+    assert (d / "tokenizer.json").read_text() == "user" and (d / "data.json").read_text() == "user"
+    train(tiny(d), overwrite=True)
+    assert not (d / "tokenizer.json").exists()  # a star-graph run writes none
+
+
+@pytest.mark.parametrize("where", ["home", "cwd"])
+def test_home_and_current_folder_are_never_deleted_from(tmp_path, monkeypatch, where):
+    d = marked(tmp_path / "H", "tokenizer.json", "data.json", "tensorboard/events.out.tfevents.1.h")
+    (d / ".metrics.csv.4242.tmp").write_text("stale")  # even this package's own temporary file stays
+    work = tmp_path / "wd"
+    work.mkdir()
+    monkeypatch.chdir(d if where == "cwd" else work)
+    monkeypatch.setenv("HOME", str(d))
+    out = "." if where == "cwd" else d
+    before = snapshot(d)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=("current" if where == "cwd" else "home") + " folder, which is never"):
+            train(tiny(out), overwrite=overwrite)
+    assert snapshot(d) == before
+    for name in ("tokenizer.json", "data.json", "tensorboard"):
+        shutil.rmtree(d / name) if name == "tensorboard" else (d / name).unlink()
+    train(tiny(out))  # nothing of a run there: a run may start, and deletes nothing of the folder's
+    assert (d / ".metrics.csv.4242.tmp").read_text() == "stale"
+
+
+def test_a_linked_lock_file_is_never_written_through(tmp_path):
+    victim = tmp_path / "v.txt"
+    victim.write_text("precious")
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / LOCK).symlink_to(victim)
+    with pytest.raises(ValueError, match="symbolic link"):
+        train(tiny(d))
+    with pytest.raises(ValueError, match="symbolic link"):
+        RunFolder(d).lock()
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("name,kind", [("metrics.csv", "dir"), ("tokenizer.json", "dir"), ("data.json", "dir"),
+                                       ("checkpoints/latest", "dir"), ("tensorboard", "file"),
+                                       ("checkpoints/step-00000006", "link"),
+                                       ("metrics.csv", "link"), ("tokenizer.json", "link")])
+def test_a_run_path_of_the_wrong_kind_is_refused_before_anything_is_deleted(run_copy, tmp_path, name, kind):
+    d = run_copy
+    target = d / name
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    if kind == "dir":
+        target.mkdir()
+    elif kind == "file":
+        target.write_text("user")
+    else:  # dangling: the run would create the file outside its folder
+        target.symlink_to(tmp_path / "outside")
+    before = snapshot(d)
+    for resume in (False, True):
+        with pytest.raises(ValueError, match="symbolic link" if kind == "link" else "where the run"):
+            train(tiny(d), overwrite=not resume, resume=resume)
+    assert snapshot(d) == before and not (tmp_path / "outside").exists()
+
+
+def test_a_checkpoints_file_is_refused_before_anything_is_deleted(tmp_path):
+    d = marked(tmp_path / "c", "checkpoints")
+    (d / "metrics.csv").write_text("step,key,value\n3,loss,1.0\n")
+    before = snapshot(d)
+    with pytest.raises(ValueError, match="checkpoints is not a folder"):
+        train(tiny(d), overwrite=True)
+    assert snapshot(d) == before
+
+
+def test_a_compile_that_fails_on_the_first_call_leaves_the_old_run(run_copy, monkeypatch):
+    """torch.compile compiles at the first call (a missing C++ compiler shows there): the first batch,
+    run before the folder is claimed, makes that call."""
+    def compile_broken(module, *a, **k):
+        def fail(*a, **k):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        module._compiled_call_impl = fail
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_broken)
+    before = snapshot(run_copy)
+    with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
+        train(tiny(run_copy, compile=True, seed=3), overwrite=True)
+    assert snapshot(run_copy) == before
+
+
+def test_an_undeletable_old_run_is_refused_before_deleting(run_copy, monkeypatch):
+    step = run_copy / "checkpoints" / "step-00000003"
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: Path(p) != step and real(p, mode, **k))
+    before = snapshot(run_copy)
+    with pytest.raises(ValueError, match=r"step-00000003 is not writable.*nothing was deleted"):
+        train(tiny(run_copy, seed=3), overwrite=True)
+    assert snapshot(run_copy) == before
+
+
+def test_a_deletion_failing_halfway_names_the_full_path(run_copy, monkeypatch):
+    """What the check cannot see (an immutable file in a writable folder) fails with its full path."""
+    real = os.unlink
+
+    def unlink(path, *a, **k):
+        if os.fspath(path) == "model.safetensors":
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OSError, match=r"could not delete \S*/checkpoints/step-0000000\d/model\.safetensors"):
+        train(tiny(run_copy, seed=3), overwrite=True)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_in_use_is_refused_before_a_checkpoint_is_read(run_copy, resume):
+    """The holder may be pruning the checkpoint a second process would read: the second one stops on
+    the lock, naming the holder, before it reads anything."""
+    (latest_checkpoint(run_copy) / CHECKSUMS).unlink()  # as the holder's pruning leaves it, midway
+    holder = RunFolder(run_copy)
+    holder.lock()
+    try:
+        with pytest.raises(ValueError, match=rf"in use by another process \(pid {os.getpid()}\)"):
+            train(tiny(run_copy), resume=resume)
+    finally:
+        holder.unlock()
+
+
+def test_deep_nesting_in_set_is_bad_input(tmp_path, capsys):
+    from bst_fast.__main__ import main
+
+    deep = "[" * 50000 + "]" * 50000
+    assert main(["train", "--config", str(TINY), "--set", f"out_dir={tmp_path / 'n'}", "--set", f"steps={deep}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --set 'steps'") and "\n" not in err and len(err) < 300
+
+
+def test_table_out_is_checked_before_any_run_trains(tmp_path, capsys):
+    from bst_fast.__main__ import main
+
+    (tmp_path / "afile").write_text("f")
+    out = tmp_path / "t"
+    assert main(["table", "--config", str(TINY), "--set", f"out_dir={out}", "--out", str(tmp_path / "afile" / "x.md")]) == 2
+    assert "afile" in capsys.readouterr().err and not out.exists()
+    assert main(["table", "--config", str(TINY), "--set", f"out_dir={out}", "--out", str(tmp_path)]) == 2
+    assert not out.exists()
+
+
+def test_a_huge_prefix_is_quoted_cut(trained, capsys):
+    from bst_fast.__main__ import main
+
+    assert main(["generate", "--checkpoint", str(trained), "--prefix", "x" * 50000]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err) < 500
