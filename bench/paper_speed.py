@@ -98,7 +98,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bst_fast.config import TrainConfig, apply_overrides, apply_sets  # noqa: E402
 from bst_fast.model import ModelConfig  # noqa: E402
-from bst_fast.tasks import Objective, build_model, model_config  # noqa: E402
+from bst_fast.tasks import Objective, Rows, build_model, model_config  # noqa: E402
 from bst_fast.trainer import Run, build_optimizer, train_step  # noqa: E402
 
 
@@ -153,7 +153,7 @@ PHASES = ("encoders", "pair_loss", "forward_rest", "backward", "optimizer", "oth
 
 class SyntheticText:
     """Random token rows of the paper's TinyStories shape: [BOS, T ids, EOS], every row full, ids 0-2
-    being PAD, BOS and EOS as in a tokenizer from train_bpe. What `Run` needs of a task: `batch`,
+    being PAD, BOS and EOS as in a tokenizer from train_bpe. What `Run` needs of a task: `rows`,
     `prefix_start`, `vocab_size`, `max_len` (and `evaluate`, `save`, unused here). A few batches
     are drawn once and reused: the data's cost is not what is timed."""
 
@@ -165,14 +165,14 @@ class SyntheticText:
         self.vocab_size, self.max_len, self.prefix_start = vocab_size, T + 2, 0
         self.seed, self.pool, self._rows = seed, pool, {}
 
-    def batch(self, step: int, batch_size: int):
+    def rows(self, step: int, batch_size: int) -> Rows:
         key = (step % self.pool, batch_size)
         if key not in self._rows:
             g = torch.Generator().manual_seed(self.seed * 1009 + key[0])
             rows = torch.randint(3, self.vocab_size, (batch_size, self.max_len), generator=g)
             rows[:, 0], rows[:, -1] = 1, 2
             self._rows[key] = rows
-        return self._rows[key], torch.full((batch_size,), self.max_len, dtype=torch.long), None
+        return Rows(self._rows[key], torch.full((batch_size,), self.max_len, dtype=torch.long), None)
 
     def evaluate(self, model, device):
         return {}
