@@ -323,15 +323,18 @@ def check_f(f):
         _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
 
 
-def check_documents(documents, lengths, B, L, device):
+def check_documents(documents, lengths, B, L, device, values: bool = True):
     """`documents` (docs/contract.md §10) is a (B, L) integer tensor of document ids, or a
     (prefix_ids, suffix_ids) pair of them, on `device`; each non-decreasing along every row's valid
-    positions (one run per document: a run never comes back)."""
+    positions (one run per document: a run never comes back). The kinds and shapes are checked
+    here; the values (a host sync) here too with `values`, else returned for the caller's one sync:
+    [(name, ids, (B, L-1) mask of the positions where the ids go down)]."""
     sides = documents if isinstance(documents, (tuple, list)) else (documents,)
     if isinstance(documents, (tuple, list)) and len(documents) != 2:
         _fail(ValueError, f"documents must be a (B, L) tensor of ids or a (prefix_ids, suffix_ids) pair, "
                           f"got a {type(documents).__name__} of {len(documents)}")
     names = ["documents"] if len(sides) == 1 else ["documents[0] (prefix ids)", "documents[1] (suffix ids)"]
+    downs = []
     for name, ids in zip(names, sides):
         if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             _fail(ValueError, f"{name} must be a (B, L) integer tensor of document ids, got "
@@ -341,12 +344,19 @@ def check_documents(documents, lengths, B, L, device):
         if ids.device != device:
             _fail(ValueError, f"{name} must be on the device of f ({device}), got {ids.device}")
         t = torch.arange(1, L, device=device)[None]
-        down = (ids[:, 1:] < ids[:, :-1]) & (t < lengths[:, None])
-        if bool(down.any()):
-            r, t = (int(x) for x in down.nonzero()[0])
-            _fail(ValueError, f"{name} must be non-decreasing along each row's valid positions (one run of ids "
-                              f"per document, in order; documents never overlap or interleave), got "
-                              f"{name}[{r}, {t + 1}] = {int(ids[r, t + 1])} after {int(ids[r, t])}")
+        downs.append((name, ids, (ids[:, 1:] < ids[:, :-1]) & (t < lengths[:, None])))
+    if values:
+        for down, bad in zip(downs, torch.stack([d.any() for _, _, d in downs]).tolist()):
+            if bad:
+                _raise_down(*down)
+    return downs
+
+
+def _raise_down(name, ids, down):
+    r, t = (int(x) for x in down.nonzero()[0])
+    _fail(ValueError, f"{name} must be non-decreasing along each row's valid positions (one run of ids "
+                      f"per document, in order; documents never overlap or interleave), got "
+                      f"{name}[{r}, {t + 1}] = {int(ids[r, t + 1])} after {int(ids[r, t])}")
 
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
@@ -400,21 +410,24 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     min_gap = min(min_gap, max(L, 2))
     gmax = L if max_gap is None else min(max_gap, L)
     gmax = max(gmax, min_gap)
-    bounds = None
-    if documents is not None:
-        check_documents(documents, lengths, B, L, dev)
-        bounds = document_bounds(documents, lengths, L)
-    counts = prefix_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L, bounds).sum(1)
-    total = counts.sum()
     # A compiled graph skips these checks (the op repeats them), unless pairs are sampled: the
     # sampler runs first, here, its work growing with the lengths, and it synchronises anyway.
     sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
     checking = not (op_checks and torch.compiler.is_compiling()) or sampled
+    bounds, downs = None, []
+    if documents is not None:
+        # the ops never see the documents, only the pairs they allow: their order is checked here,
+        # with the other checks' one sync (or alone, under a compiled graph that skips those)
+        downs = check_documents(documents, lengths, B, L, dev, values=not checking)
+        bounds = document_bounds(documents, lengths, L)
+    counts = prefix_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L, bounds).sum(1)
+    total = counts.sum()
     if checking:
         bad_len, bad_tok = row_problems(tokens, lengths, vocab_size)
         bad_start = prefix_start < 0
         no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
-        any_bad = torch.stack([bad_len.any(), bad_start.any(), bad_tok.any(), no_pair]).tolist()  # one sync
+        flags = [bad_len.any(), bad_start.any(), bad_tok.any()] + [d.any() for _, _, d in downs] + [no_pair]
+        any_bad = torch.stack(flags).tolist()  # one sync
         if any_bad[0]:
             _raise_length(lengths, bad_len, L)
         if any_bad[1]:
@@ -422,7 +435,10 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
         if any_bad[2]:
             _raise_token(tokens, bad_tok, vocab_size)
-        if any_bad[3]:
+        for down, bad in zip(downs, any_bad[3:-1]):
+            if bad:
+                _raise_down(*down)
+        if any_bad[-1]:
             _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
     prefix_start = prefix_start.clamp(max=L)
     # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it

@@ -211,16 +211,21 @@ def document_sides(documents):
     return tuple(documents)
 
 
-def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None, documents=None):
-    """Plain next-token CE of lm_head(f_i) against tokens[i+1] over positions prefix_start <= i <= len - 2
+def next_token_mask(lengths, prefix_start, L, documents=None):
+    """(B, L-1) bool: the positions i whose target tokens[i+1] is trained, prefix_start <= i <= len - 2
     (packed rows: where i and i + 1 are in one document, the pair (i, i + 1) of §10)."""
-    L = tokens.shape[1]
-    i = torch.arange(L - 1, device=tokens.device)[None]
-    ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
-    mask = (i >= ps) & (i <= lengths[:, None] - 2)  # (B, L-1)
+    i = torch.arange(L - 1, device=lengths.device)[None]
+    ps = torch.as_tensor(prefix_start, device=lengths.device).reshape(-1, 1)
+    mask = (i >= ps) & (i <= lengths[:, None] - 2)
     if documents is not None:
         prefix_ids, suffix_ids = document_sides(documents)
         mask = mask & (prefix_ids[:, :-1] == suffix_ids[:, 1:])
+    return mask
+
+
+def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None, documents=None):
+    """Plain next-token CE of lm_head(f_i) against tokens[i+1] over next_token_mask's positions."""
+    mask = next_token_mask(lengths, prefix_start, tokens.shape[1], documents)  # (B, L-1)
     ce = F.cross_entropy(lm_head(f[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
     if total is None:
         total = mask.sum()
@@ -316,8 +321,8 @@ class BeliefStateTransformer(nn.Module):
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
-            if documents is not None:  # the encoders' masks trust the ids: check them first
-                check_documents(documents, lengths, *tokens.shape, tokens.device)
+            if documents is not None:  # kinds and shapes before the masks; their order with the loss's checks
+                check_documents(documents, lengths, *tokens.shape, tokens.device, values=False)
             f = self.prefix_states(tokens, documents)
             b = self._suffix_states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction

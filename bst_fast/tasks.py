@@ -19,7 +19,7 @@ from ._pairs import pair_counts
 from .config import TrainConfig
 from .decode import sample
 from .files import atomic_write
-from .model import BeliefStateTransformer, ForwardOnly, Teacherless
+from .model import BeliefStateTransformer, ForwardOnly, Teacherless, next_token_mask
 
 TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
 
@@ -66,10 +66,7 @@ class Objective:
         micro-batches divides by. A target is a position i with i + 1 in its document."""
         pairs = pair_counts(lengths, start_pos, self.min_gap, L if self.max_gap is None else self.max_gap, L,
                             documents=documents)
-        i = torch.arange(L - 1)[None]
-        targets = (i >= start_pos[:, None]) & (i <= lengths[:, None] - 2)
-        if documents is not None:
-            targets &= documents[:, :-1] == documents[:, 1:]
+        targets = next_token_mask(lengths, start_pos, L, documents)
         return pairs.sum().item(), targets.sum().item()
 
     def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total,

@@ -230,3 +230,16 @@ def contract_weights(chosen, full, kind, reduction, B):
         else:  # row_mean: the row's mean over its pairs (all, listed or drawn), then over all B rows
             weights.append(1.0 / (n_r[r] * B))
     return weights
+
+
+def checked_draw(p, sets, pairs):
+    """The sampler's draw in `p` as (r, i, j), checked against docs/contract.md §5: distinct pairs,
+    each in its row's set `sets[r]`, k_r of them (from the fraction or the count `pairs`)."""
+    chosen = list(zip(p.row.tolist(), p.i.tolist(), p.j.tolist()))
+    assert len(set(chosen)) == len(chosen), "drawn without replacement"
+    for r, s in enumerate(sets):
+        drawn = [(i, j) for rr, i, j in chosen if rr == r]
+        assert set(drawn) <= set(s)
+        k = min(max(1, round(pairs * len(s))) if isinstance(pairs, float) else pairs, len(s))
+        assert len(drawn) == k, (r, drawn, k)
+    return chosen

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from _helpers import TOL, brute_force, contract_weights, grads_of, make_head, random_grad_out, rel_err, switch
+from _helpers import TOL, brute_force, checked_draw, contract_weights, grads_of, make_head, random_grad_out, rel_err, switch
 from bst_fast import BeliefStateLoss, belief_state_loss
 from bst_fast import _pairs
 
@@ -80,13 +80,7 @@ def chosen_pairs(case, f, b, tokens):
         p = _pairs.prepare(f, b, tokens, V, **{k: o.get(k) for k in ("lengths", "prefix_start", "max_gap", "generator")},
                            min_gap=min_gap, meet_token=spec.get("meet_token"), pairs=pairs, next_weight=0.5,
                            reduction=reduction)
-        chosen = list(zip(p.row.tolist(), p.i.tolist(), p.j.tolist()))
-        assert len(set(chosen)) == len(chosen), "drawn without replacement"
-        for r in range(B):
-            drawn = [(i, j) for rr, i, j in chosen if rr == r]
-            assert set(drawn) <= set(pair_set(r, min_gap, max_gap))
-            k = min(max(1, round(pairs * full[r])) if isinstance(pairs, float) else pairs, full[r])
-            assert len(drawn) == k, (r, drawn, k)
+        chosen = checked_draw(p, [pair_set(r, min_gap, max_gap) for r in range(B)], pairs)
     kind = "all" if pairs is None else "sampled" if isinstance(pairs, (int, float)) else "listed"
     weights = contract_weights(chosen, full, kind, reduction, B)
     return chosen, weights
