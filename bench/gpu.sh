@@ -18,14 +18,14 @@
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="paper check packed heads profile-swiglu" timeout 590 bash bench/gpu.sh
+#       STEPS="paper check levers packed heads profile-swiglu" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper check packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper check levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -66,6 +66,9 @@ step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
+# the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
+# checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
+step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
 # packed rows (docs/contract.md §10) against one document a row, the same documents and pairs, the
 # triton backend (issue 22's GPU line): 256 documents of 8..256 tokens at the profile's width; then both encoders (4 blocks) with SDPA and flex_attention
 step 60 packed python3 bench/packed.py --device cuda --dtype bfloat16 --docs 256 --T 256 --d-model 512 --hidden 512 \

@@ -315,7 +315,7 @@ def test_variants_set_and_restore_the_settings():
 
 
 def test_environment_settings_are_checked(monkeypatch):
-    from bst_fast.backends.runtime import env_flag, env_mb
+    from bst_fast.backends.runtime import env_count, env_flag, env_mb
 
     monkeypatch.setenv("BST_FAST_X_MB", "0.5")
     assert env_mb("BST_FAST_X_MB", 256) == 2**19
@@ -332,15 +332,24 @@ def test_environment_settings_are_checked(monkeypatch):
         monkeypatch.setenv("BST_FAST_X_ON", bad)
         with pytest.raises(ValueError, match="BST_FAST_X_ON must be 0 or 1"):
             env_flag("BST_FAST_X_ON")
+    assert env_count("BST_FAST_X_N") == 0
+    monkeypatch.setenv("BST_FAST_X_N", "128")
+    assert env_count("BST_FAST_X_N") == 128
+    for bad in ("-1", "1.5", "", "x"):
+        monkeypatch.setenv("BST_FAST_X_N", bad)
+        with pytest.raises(ValueError, match="BST_FAST_X_N must be an int >= 0"):
+            env_count("BST_FAST_X_N")
 
 
 def test_switches_come_from_the_environment(monkeypatch):
     """Each environment variable sets its switch; a LossOptions made without switches takes the ones in force."""
     for name, value in (("BST_FAST_CHUNK_MB", "0.5"), ("BST_FAST_TORCH_CHUNK_MB", "2"),
-                        ("BST_FAST_TORCH_COMPILE", "1"), ("BST_FAST_TORCH_UNFUSED_SWIGLU", "1")):
+                        ("BST_FAST_TORCH_COMPILE", "1"), ("BST_FAST_TORCH_UNFUSED_SWIGLU", "1"),
+                        ("BST_FAST_BIAS_IN_GEMM", "1"), ("BST_FAST_VOCAB_PAD", "128")):
         monkeypatch.setenv(name, value)
     assert runtime.Switches.from_environment() == runtime.Switches(
-        triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False)
+        triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False,
+        bias_in_gemm=True, vocab_pad=128)
     with runtime.switched(chunk_pairs=5):
         assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches.chunk_pairs == 5
     assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches is runtime.SWITCHES

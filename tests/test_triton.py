@@ -262,6 +262,51 @@ def test_masked_vocabulary_block(chunk_pairs):
         assert _rel(x, y) < 1e-4
 
 
+@pytest.mark.parametrize("n_layers,hidden,dtype", [(2, 20, torch.float32), (3, [20, 13], torch.float32),
+                                                   (4, [9, 16, 5], torch.bfloat16), (3, [8, 7], torch.float16)])
+def test_bias_in_gemm(n_layers, hidden, dtype, chunk_pairs, monkeypatch):
+    """Switches.bias_in_gemm: the bias gradients as the weight GEMMs' ones column equal the column sums
+    (float32 accumulation both ways) and keep the contract's tolerances, widths on and off a multiple
+    of 8, chunks cut anywhere (the buffers are shared by all chunks: a short last one reads its rows)."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, hidden=hidden, n_layers=n_layers, activation="silu", seed=21)
+    opts = dict(lengths=torch.tensor([9, 7]), prefix_start=1, next_weight=0.3)
+    chunk_pairs(13)
+    switch(monkeypatch, bias_in_gemm=False)
+    loss, grads = _run(f, b, tokens, head, dtype, 1.3, backend="triton", **opts)
+    switch(monkeypatch, bias_in_gemm=True)
+    _check(f, b, tokens, head, dtype=dtype, **opts)
+    folded, fgrads = _run(f, b, tokens, head, dtype, 1.3, backend="triton", **opts)
+    assert torch.equal(loss, folded)  # the forward is unchanged
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for x, y in zip(grads, fgrads):
+        assert _rel(y, x) < tol
+    biases = [k for k, (name, _) in enumerate(head.named_parameters(), start=2) if name.endswith("bias")]
+    assert all(fgrads[k].abs().sum() > 0 for k in biases)  # every bias gradient is there, not zeros
+    # no_grad takes no buffers and gives the same loss
+    with torch.no_grad():
+        out = belief_state_loss(f, b, tokens, head, backend="triton", **opts)
+    switch(monkeypatch, bias_in_gemm=False)
+    with torch.no_grad():
+        assert torch.equal(out, belief_state_loss(f, b, tokens, head, backend="triton", **opts))
+
+
+@pytest.mark.parametrize("pad,fold", [(16, False), (7, True), (19, False)])
+def test_vocab_pad(pad, fold, chunk_pairs, monkeypatch):
+    """Switches.vocab_pad: each half of the last layer padded with zero rows to a multiple of `pad`
+    (V = 19 to 32 and 21; 19 pads nothing); the loss and every gradient, the last layer's included,
+    keep the unpadded shapes and values, with the bias fold too; the meet token reads the right half."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, hidden=[12, 10], n_layers=3, activation="gelu", seed=22)
+    opts = dict(lengths=torch.tensor([9, 6]), next_weight=0.7, min_gap=1, meet_token=3)
+    chunk_pairs(11)
+    loss, grads = _run(f, b, tokens, head, torch.float32, 1.0, backend="triton", **opts)
+    switch(monkeypatch, vocab_pad=pad, bias_in_gemm=fold)
+    _check(f, b, tokens, head, **opts)
+    padded, pgrads = _run(f, b, tokens, head, torch.float32, 1.0, backend="triton", **opts)
+    assert _rel(padded, loss) < 1e-6
+    for x, y in zip(grads, pgrads):
+        assert x.shape == y.shape and _rel(y, x) < 1e-5
+
+
 def test_op_rejects_mismatched_arguments():
     import bst_fast.backends.pair_loss_op  # noqa: F401
     g = torch.Generator().manual_seed(21)
@@ -352,7 +397,7 @@ try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "ld", "V", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
+INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):

@@ -40,6 +40,14 @@ def env_flag(name: str) -> bool:
     return text == "1"
 
 
+def env_count(name: str) -> int:
+    """The environment variable `name` as a count: unset is 0, else an int >= 0."""
+    text = os.environ.get(name, "0")
+    if not text.isdigit():
+        raise ValueError(f"{name} must be an int >= 0, got {text!r}")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Switches:
     """How the chunked backends run; none changes what they compute (docs/backends.md)."""
@@ -66,13 +74,28 @@ class Switches:
     # (BST_FAST_TORCH_UNFUSED_SWIGLU=1): gate and up summed apart, rounded, then torch's silu and mul,
     # kept to measure against the fused step.
     fused_swiglu: bool = True
+    # The triton backend's bias gradients as one more output column of the weight gradients' GEMMs
+    # ([H | 1]: no separate column sum re-reading each chunk's logits gradient), BST_FAST_BIAS_IN_GEMM=1.
+    # Off until bench/gpu.sh's `levers` step has timed it against the column sums on a GPU.
+    bias_in_gemm: bool = False
+    # The triton backend's last layer with each half of the vocabulary padded with zero rows to a
+    # multiple of this (0: none), BST_FAST_VOCAB_PAD: V = 1000 fills no 128- or 256-wide GEMM tile,
+    # 1024 does. Off until timed by bench/gpu.sh's `levers` step.
+    vocab_pad: int = 0
+    # Subsampled pairs of rows without documents drawn on the tensors' device (_pairs.sample_on_device)
+    # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off until bench/gpu.sh
+    # has timed it against the C++ sampler on a GPU.
+    device_sampler: bool = False
 
     @classmethod
     def from_environment(cls) -> "Switches":
         return cls(triton_chunk_bytes=env_mb("BST_FAST_CHUNK_MB", 256),
                    torch_chunk_bytes=env_mb("BST_FAST_TORCH_CHUNK_MB", 256),
                    compile_tail=env_flag("BST_FAST_TORCH_COMPILE"),
-                   fused_swiglu=not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU"))
+                   fused_swiglu=not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU"),
+                   bias_in_gemm=env_flag("BST_FAST_BIAS_IN_GEMM"),
+                   vocab_pad=env_count("BST_FAST_VOCAB_PAD"),
+                   device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"))
 
 
 # The switches in force: the environment's, read once when bst_fast is imported.

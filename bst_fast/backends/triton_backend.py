@@ -8,7 +8,8 @@ bytes of the compute dtype, h the hidden widths (h1 first, hL last) and V the vo
     Z_k = H_{k-1} W_k^T + c_k, H_k = act  cuBLAS + torch            2*n*h^2 FLOPs per hidden layer
     Z = H_L W_L^T + c_L   (n, 2V)         cuBLAS                    2*n*hL*2V FLOPs
     loss, Z <- dz in place                pair_cross_entropy_kernel  read + write n*2V*es
-    dc_L += colsum(dz)                    torch (float32 sum)        read n*2V*es
+    dc_L += colsum(dz)                    torch (float32 sum)        read n*2V*es (none under
+                                                                     bias_in_gemm, below)
     dW_L += dz^T H_L   (float32 output)   cuBLAS                    2*n*hL*2V FLOPs
     dH_L = dz W_L                         cuBLAS                    2*n*hL*2V FLOPs
     hidden layers back (dZ_k, dW_k, dc_k, dH_{k-1}), as above
@@ -17,6 +18,15 @@ bytes of the compute dtype, h the hidden widths (h1 first, hL last) and V the vo
 So 6*n*hL*2V FLOPs in three large GEMMs (M = n, the chunk), about 4*n*2V*es bytes of logits traffic,
 no atomics anywhere (every sum has one owner and a fixed order: bitwise reproducible), and memory
 bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
+
+Two levers, runtime switches off until bench/levers.py has timed them on a GPU (docs/backends.md):
+- bias_in_gemm: every layer's input H_k sits in a buffer with a ones column, so the dW GEMM over
+  [H_k | 1 | 0..] (8 more columns at most) also yields dc_k: no column sum, saving a read of
+  n*2V*es per chunk for the last layer (n*h*es for a hidden one) for 8/hL more dW FLOPs; a hidden
+  layer's H is copied once into its buffer (n*h*es written and read).
+- vocab_pad: each half of W_L padded with zero rows to Vp, a tile multiple (V = 1000 -> 1024):
+  2Vp/2V more logit FLOPs and bytes, for GEMM tiles that divide N = 2Vp. The padded logits are
+  exact zeros the cross-entropy skips; their gradient rows are dropped.
 
 The loss is the graph's last node, so the forward computes every gradient and the backward only
 scales by grad_output (as the cpp backend does): no logits are recomputed. The work is the op
@@ -58,12 +68,39 @@ def _mm_f32(a, b):
     return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 
-def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg):
+def _ones_column(rows: int, width: int, dtype, device):
+    """An (rows, width + e) buffer whose column `width` is ones and the rest past it zeros, e >= 1
+    taking a row to a multiple of 8 elements (16-bit rows stay 16-byte aligned for the tensor cores):
+    a layer's input H goes in its first `width` columns, and a GEMM over it all yields [dZ^T H | dZ^T 1]."""
+    buf = torch.zeros(rows, (width + 8) // 8 * 8, dtype=dtype, device=device)
+    buf[:, width] = 1
+    return buf
+
+
+def _padded_vocabulary(weights, biases, V: int, Vp: int):
+    """The last layer with each half's V rows followed by Vp - V zero rows (weights and biases): its
+    padded logits are exact zeros, which the cross-entropy leaves alone, so they add nothing to the
+    gradient of the layer's input, and their own gradient rows are dropped (_unpadded)."""
+    W, c = weights[-1], biases[-1]
+    Wp, cp = W.new_zeros(2 * Vp, W.shape[1]), c.new_zeros(2 * Vp)
+    for half in range(2):
+        Wp[half * Vp : half * Vp + V] = W[half * V : (half + 1) * V]
+        cp[half * Vp : half * Vp + V] = c[half * V : (half + 1) * V]
+    return weights[:-1] + [Wp], biases[:-1] + [cp]
+
+
+def _unpadded(t, V: int, Vp: int):
+    """The rows of a padded last layer's gradient that belong to the real vocabulary."""
+    return torch.cat([t[:V], t[Vp : Vp + V]])
+
+
+def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg,
+                    V: int):
     """Loss and (need) float32 gradients of A, B and every later layer, chunk by chunk.
 
     A, Bm: (B, L, h1) float32; tokens (B, L) int64; weights/biases: the layers after the first, in
-    the compute dtype `dtype` (the last one (2V, hL)); cfg: chunk_config's launch shapes, which
-    also cut `pl`. Returns (loss, dA, dB, dW list, dc list)."""
+    the compute dtype `dtype` (the last one (2V, hL), or (2Vp, hL) padded by _padded_vocabulary);
+    cfg: chunk_config's launch shapes, which also cut `pl`. Returns (loss, dA, dB, dW list, dc list)."""
     dev = A.device
     h1 = A.shape[-1]
     up = interpreted_bf16(dtype)
@@ -77,24 +114,39 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
     loss = torch.zeros((), **f32)
     loss_rows = torch.empty(max((c.n for c in pl.chunks), default=1), **f32)
+    # Under bias_in_gemm each layer's input H_k sits in the first columns of a buffer with a ones
+    # column (_ones_column; one for all chunks, filled once): dW_k's GEMM over the whole buffer then
+    # yields dc_k, the column sum of dZ_k, as its extra output column, and no separate column sum
+    # re-reads dZ_k (for the last layer, the (n, 2V) logits gradient).
+    fold = runtime.SWITCHES.bias_in_gemm
+    ones = [_ones_column(loss_rows.numel(), w.shape[1], dtype, dev) for w in weights] if fold and need else None
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
-        H = torch.empty(n, h1, dtype=dtype, device=dev)
+        H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
         pair_hidden(A, Bm, pl, s0, n, H, act_id, cfg, up)
         Hs, Zs = [H], []
-        for w, c in zip(weights[:-1], biases[:-1]):
+        for k, (w, c) in enumerate(zip(weights[:-1], biases[:-1])):
             Zs.append(torch.addmm(c, Hs[-1], w.t()))
-            Hs.append(activation(act_name, Zs[-1]))
+            H = activation(act_name, Zs[-1])
+            if ones:  # one more pass over a hidden layer's H, into its buffer
+                H = ones[k + 1][:n, : H.shape[1]].copy_(H)
+            Hs.append(H)
         Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-        loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up)
+        loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V)
         if not need:
             continue
         dH = Z
         for k in range(len(weights) - 1, -1, -1):
             if k < len(weights) - 1:
                 dH = activation_grad(act_name, dH, Zs[k])  # dZ of hidden layer k + 2
-            dc[k] += dH.sum(0, dtype=torch.float32)
-            dW[k] += _mm_f32(dH.t(), Hs[k])
+            if ones:
+                width = Hs[k].shape[1]
+                g = _mm_f32(dH.t(), ones[k][:n])
+                dW[k] += g[:, :width]
+                dc[k] += g[:, width]
+            else:
+                dc[k] += dH.sum(0, dtype=torch.float32)
+                dW[k] += _mm_f32(dH.t(), Hs[k])
             dH = dH @ weights[k]
         del Z, Zs, Hs
         segment_grads(dH, A, Bm, pl, chunk, dA, dB, act_id, 1.0, cfg)
@@ -146,11 +198,19 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
               weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
-    cfg = chunk_config(A.device.type, V, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
+    # Switches.vocab_pad: each half of the last layer padded to a multiple of it (a GEMM tile)
+    pad = runtime.SWITCHES.vocab_pad
+    Vp = -(-V // pad) * pad if pad else V
+    weights, biases = [w.contiguous() for w in weights], [c.contiguous() for c in biases]
+    if Vp != V:
+        weights, biases = _padded_vocabulary(weights, biases, V, Vp)
+    cfg = chunk_config(A.device.type, Vp, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
     pl = pair_list(p, Bn, L, cfg["chunk"])
     with on_device(A.device):
-        loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, [w.contiguous() for w in weights],
-                                   [c.contiguous() for c in biases], activation, next_weight, need_grad, dtype, cfg)
+        loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, weights, biases, activation, next_weight, need_grad,
+                                               dtype, cfg, V)
+    if need_grad and Vp != V:
+        dW[-1], dc[-1] = _unpadded(dW[-1], V, Vp), _unpadded(dc[-1], V, Vp)
     if not need_grad:
         empty = lambda: A.new_empty(0)
         return loss, empty(), empty(), [empty() for _ in weights], [empty() for _ in biases]

@@ -27,10 +27,13 @@ from .activation import cast
 
 
 @triton.jit
-def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gscale, meet,
+def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, ldz, hoff, lam, gscale, meet,
                               NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr, MEET: tl.constexpr):
+    # Row r starts ldz elements after row r - 1; its Prev half hoff elements after its Next half
+    # (ldz = 2 * hoff = 2V, or a vocabulary padded to a tile multiple: the columns past V of each
+    # half are neither read nor written).
     r = tl.program_id(0).to(tl.int64)
-    row = Z + r * 2 * V
+    row = Z + r * ldz
     w = tl.load(W + (s0 + r) * w_stride)
     a = tl.load(ia + s0 + r).to(tl.int64)
     c = tl.load(ib + s0 + r).to(tl.int64)
@@ -44,7 +47,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
             cw = w * (1.0 - lam)
         if MEET:  # a gap-1 pair: both labels are the meet token (tok + a + 1 is still in bounds)
             y = tl.where(c - a == 1, meet, y)
-        zr = row + half * V
+        zr = row + half * hoff
         # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the loss
         # is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
         # exp(zy - mx). For a confident model (the label on top, ey = 1) both keep the tiny ry
@@ -76,15 +79,20 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, lam, gsc
     tl.store(loss + r, total)
 
 
-def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up):
-    """The weighted loss of the chunk's logits Z (n, 2V), contiguous, at slots [s0, s0 + n) of the
-    PairList `pl` (a 0-dim float32 sum); with need, Z becomes gscale * its gradient in place.
+def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V=None):
+    """The weighted loss of the chunk's logits Z (n, 2V), rows contiguous, at slots [s0, s0 + n) of
+    the PairList `pl` (a 0-dim float32 sum); with need, Z becomes gscale * its gradient in place.
+    With V given, Z is (n, 2Vp), each half padded from V to Vp columns that are left as they are.
     tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes.
     The labels of gap-1 pairs are pl.meet_token (None: the pair set has none)."""
-    n = Z.shape[0]
+    n, hoff = Z.shape[0], Z.shape[1] // 2
+    V = hoff if V is None else V
+    if Z.stride(1) != 1 or not 0 < V <= hoff:
+        raise ValueError(f"pair_cross_entropy_: Z {tuple(Z.shape)} with strides {Z.stride()} does not hold "
+                         f"two halves of V = {V} logits")
     meet = pl.meet_token
     pair_cross_entropy_kernel[(n,)](
-        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, Z.shape[1] // 2, float(lam), float(gscale),
+        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, Z.stride(0), hoff, float(lam), float(gscale),
         0 if meet is None else int(meet), NEED_GRAD=need, BV=cfg["BV"], UP=up, MEET=meet is not None,
         num_warps=cfg["ce_warps"])
     return loss_rows[:n].sum()

@@ -44,10 +44,11 @@ from .activation import NO_ACT, SILU, SWIGLU, act, act_grad, cast, swiglu_grad
 
 
 @triton.jit
-def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld,
+def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld, ldh,
                        ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UP: tl.constexpr):
     # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, summed in float32, in H's dtype.
-    # Rows of A and B are ld elements apart (a column slice of a wider table), those of H h.
+    # Rows of A and B are ld elements apart (a column slice of a wider table), those of H ldh (H may
+    # be the first h columns of a wider buffer: the triton backend's ones column, see there).
     r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = r < n
@@ -62,7 +63,7 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld,
         y = act(z, SILU) * u
     else:
         y = act(z, ACT)
-    tl.store(H + r[:, None] * h + k[None, :], cast(y, H.dtype.element_ty, UP), mask=m2)
+    tl.store(H + r[:, None] * ldh + k[None, :], cast(y, H.dtype.element_ty, UP), mask=m2)
 
 
 @triton.jit
@@ -160,15 +161,17 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, s
 
 def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
     """H (n, h) <- act(A[ia] + B[ib]) for the chunk's slots [s0, s0 + n) of the PairList `pl`;
-    A and B share a row stride (A.stride(-2), rows contiguous); act an index of ACT, NO_ACT.value or
+    A and B share a row stride (A.stride(-2), rows contiguous), H's rows are contiguous (H may be a
+    column slice of a wider buffer); act an index of ACT, NO_ACT.value or
     SWIGLU.value (A, B then [gate | up], 2h wide); cfg holds gather_config's shapes; up:
     interpreted_bf16(H.dtype)."""
     h = H.shape[1]
-    if A.stride(-1) != 1 or Bm.stride() != A.stride() or A.shape[-1] != (2 * h if act == SWIGLU.value else h):
+    if (A.stride(-1) != 1 or Bm.stride() != A.stride() or A.shape[-1] != (2 * h if act == SWIGLU.value else h)
+            or H.stride(-1) != 1 or H.stride(0) < h):
         raise ValueError(f"pair_hidden: A {tuple(A.shape)} / B {tuple(Bm.shape)} with strides {A.stride()} / "
                          f"{Bm.stride()} do not fit H {tuple(H.shape)} and act {act}")
     pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h, cfg["BK"]))](
-        A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
+        A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), H.stride(0), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
         num_warps=cfg["hidden_warps"])
 
 

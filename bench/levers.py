@@ -1,0 +1,171 @@
+"""The pair loss's speed levers, each timed against the code's defaults in one process, interleaved.
+
+    python bench/levers.py --device cuda                     # B=32, T=256, m=h=512, V=1000, bf16, triton
+    python bench/levers.py --device cpu --batch 2 --T 8 --d-model 8 --hidden 8 --vocab 19 --reps 2   # (interpreter)
+
+A lever is a runtime switch (bst_fast/backends/runtime.py Switches) that changes how the objective
+runs, not what it computes. Each stays off until this bench has timed it on a GPU; a lever that pays
+becomes the default. The settings (LEVERS):
+
+- "default": the switches as they are;
+- "bias_in_gemm": the bias gradients as one more output column of the weight GEMMs ([H | 1]), no
+  column sum re-reading each chunk's logits gradient (prediction: the sums took about 8% of the
+  H200's all-pairs step at m=768, run 3's profile; the GEMM grows by 8 / h columns);
+- "vocab_pad=128", "vocab_pad=256": each half of the last layer padded from V to a tile multiple
+  (V = 1000 to 1024; 2.4% more GEMM FLOPs, in exchange for full 128 / 256-wide tiles);
+- "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
+  128 MB 32.3), at the cost of memory;
+- "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
+  C++ sampler on the host.
+
+Every setting's loss and gradients are checked against the defaults' before timing (float32
+relative error; bf16 GEMMs in another order differ by rounding, a wrong result by far more). The
+reps run round-robin over the settings, so drift of the machine reaches all alike. Writes
+<out>/levers.json and levers.md (out: bench/results/<device>/ by default).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bst_fast import TextHead, belief_state_loss  # noqa: E402
+from bst_fast._pairs import pair_counts  # noqa: E402
+from bst_fast.backends import runtime  # noqa: E402
+
+# bench/pairs.py's memory probe and device name, loaded by path (bench/ stays off sys.path: its
+# profile.py would shadow the standard library's module)
+_spec = importlib.util.spec_from_file_location("bench_pairs", ROOT / "bench" / "pairs.py")
+bench_pairs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_pairs)
+
+MB = 2**20
+# name -> (Switches changes, whether the row subsamples pairs=0.02)
+LEVERS = {
+    "default": ({}, False),
+    "bias_in_gemm": (dict(bias_in_gemm=True), False),
+    "vocab_pad=128": (dict(vocab_pad=128), False),
+    "vocab_pad=256": (dict(vocab_pad=256), False),
+    "bias_in_gemm+vocab_pad=128": (dict(bias_in_gemm=True, vocab_pad=128), False),
+    "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
+    "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
+    "pairs=0.02": ({}, True),
+    "pairs=0.02 device_sampler": (dict(device_sampler=True), True),
+}
+
+
+def _rel(x, y):
+    return ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-300)).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--T", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    ap.add_argument("--out", default=None, help="folder (default bench/results/<device>/)")
+    args = ap.parse_args(argv)
+    if "default" not in args.levers:
+        args.levers.insert(0, "default")
+    fields = {f.name for f in runtime.Switches.__dataclass_fields__.values()}
+    skipped = [n for n in args.levers if not set(LEVERS[n][0]) <= fields]  # a switch this code lacks
+    levers = [n for n in args.levers if n not in skipped]
+
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    B, T, m, V = args.batch, args.T, args.d_model, args.vocab
+    head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers).to(dev, dtype)
+    f = torch.randn(B, T, m, generator=g).to(dev, dtype).requires_grad_()
+    b = torch.randn(B, T, m, generator=g).to(dev, dtype).requires_grad_()
+    tokens = torch.randint(0, V, (B, T), generator=g).to(dev)
+    leaves = [f, b, *head.parameters()]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def run(name):
+        changes, sub = LEVERS[name]
+        opts = dict(pairs=0.02, generator=torch.Generator(device=dev).manual_seed(1)) if sub else {}
+        with runtime.switched(**changes):
+            loss = belief_state_loss(f, b, tokens, head, backend=args.backend, **opts)
+            return loss.detach(), torch.autograd.grad(loss, leaves)
+
+    # each setting against the defaults on the same rows (the subsampled rows: the same pairs only
+    # where the sampler is the same, so a device draw is checked for its size, not its values)
+    ref = {False: run("default"), True: run("pairs=0.02") if "pairs=0.02" in levers else None}
+    checks = {}
+    for name in levers:
+        loss, grads = run(name)
+        want = ref[LEVERS[name][1]]
+        same_pairs = want is not None and "device_sampler" not in LEVERS[name][0]
+        err = max([_rel(loss, want[0])] + [_rel(x, y) for x, y in zip(grads, want[1])]) if same_pairs else None
+        checks[name] = err
+        bound = 1e-5 if dtype == torch.float32 else 2e-2
+        if err is not None and not err < bound:
+            raise SystemExit(f"levers: {name} differs from the defaults by {err:.3g} (bound {bound})")
+        del grads
+
+    times = {name: [] for name in levers}
+    peaks = {}
+    for name in levers:  # one warm-up each, with its peak memory
+        with bench_pairs.PeakMemory(args.device) as mem:
+            run(name)
+            sync()
+        peaks[name] = mem.growth / MB
+    for _ in range(args.reps):
+        for name in levers:
+            t = time.perf_counter()
+            run(name)
+            sync()
+            times[name].append(time.perf_counter() - t)
+
+    base = statistics.median(times["default"])
+    sub_base = statistics.median(times["pairs=0.02"]) if "pairs=0.02" in times else None
+    rows = []
+    for name in levers:
+        ms = statistics.median(times[name]) * 1e3
+        sub = LEVERS[name][1]
+        rows.append(dict(name=name, ms=ms, speedup_vs_default=(sub_base if sub else base) * 1e3 / ms,
+                         fraction_of_all_pairs=ms / (base * 1e3), peak_mem_mb=peaks[name],
+                         max_rel_err_vs_default=checks[name], times_ms=[t * 1e3 for t in times[name]]))
+    device = bench_pairs.device_name(args.device)
+    result = dict(device=device, torch=torch.__version__, dtype=args.dtype, backend=args.backend,
+                  shape=dict(B=B, T=T, m=m, hidden=args.hidden, layers=args.layers, V=V,
+                             pairs=int(pair_counts(torch.full((B,), T), torch.zeros(B, dtype=torch.long), 2, T, T).sum())),
+                  reps=args.reps, skipped=skipped, rows=rows)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / device.lower()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "levers.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Pair-loss levers on {device}", "",
+             f"torch {torch.__version__}, {args.dtype}, backend {args.backend}, B={B} T={T} m={m} h={args.hidden} "
+             f"layers={args.layers} V={V}, median of {args.reps} interleaved reps after a warm-up. "
+             "Subsampled rows compare with `pairs=0.02`, the rest with `default`.", "",
+             "| setting | ms | speedup vs default | of all-pairs time | peak MB | max rel. err vs default |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        err = "n/a (other pairs)" if r["max_rel_err_vs_default"] is None else f"{r['max_rel_err_vs_default']:.2e}"
+        lines.append(f"| {r['name']} | {r['ms']:.2f} | {r['speedup_vs_default']:.3f}x | {r['fraction_of_all_pairs']:.3f} "
+                     f"| {r['peak_mem_mb']:.1f} | {err} |")
+    if skipped:
+        lines += ["", f"Skipped (a switch this code lacks): {', '.join(skipped)}."]
+    (out / "levers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out / 'levers.json'} and {out / 'levers.md'}")
+
+
+if __name__ == "__main__":
+    main()
