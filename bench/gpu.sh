@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper check levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper check levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -69,6 +69,10 @@ step 240 check python3 bench/gpu_check.py $C
 # the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
+# Table 3 again with every lever on that changes its columns (the sampler, the bias fold, the
+# structured sums): the whole step's gain, once levers.py has shown which pay
+step 270 paper-levers env BST_FAST_BIAS_IN_GEMM=1 BST_FAST_STRUCTURED_SUMS=1 BST_FAST_DEVICE_SAMPLER=1 \
+    python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug-levers"
 # packed rows (docs/contract.md §10) against one document a row, the same documents and pairs, the
 # triton backend (issue 22's GPU line): 256 documents of 8..256 tokens at the profile's width; then both encoders (4 blocks) with SDPA and flex_attention
 step 60 packed python3 bench/packed.py --device cuda --dtype bfloat16 --docs 256 --T 256 --d-model 512 --hidden 512 \

@@ -13,6 +13,10 @@ becomes the default. The settings (LEVERS):
   H200's all-pairs step at m=768, run 3's profile; the GEMM grows by 8 / h columns);
 - "vocab_pad=128", "vocab_pad=256": each half of the last layer padded from V to a tile multiple
   (V = 1000 to 1024; 2.4% more GEMM FLOPs, in exchange for full 128 / 256-wide tiles);
+- "structured_sums": the segment sums of an all-pairs list walk slots and rows by arithmetic, no
+  index loads and no binary search (prediction: they were 63 of the 414 ms H200 step, bound by
+  chains of dependent loads; one level a step instead of two or three should about halve them);
+- "all three": bias_in_gemm, vocab_pad=128 and structured_sums together;
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
@@ -55,6 +59,8 @@ LEVERS = {
     "vocab_pad=128": (dict(vocab_pad=128), False),
     "vocab_pad=256": (dict(vocab_pad=256), False),
     "bias_in_gemm+vocab_pad=128": (dict(bias_in_gemm=True, vocab_pad=128), False),
+    "structured_sums": (dict(structured_sums=True), False),
+    "all three": (dict(bias_in_gemm=True, vocab_pad=128, structured_sums=True), False),
     "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),

@@ -96,6 +96,7 @@ from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from bst_fast.backends import runtime  # noqa: E402
 from bst_fast.config import TrainConfig, apply_overrides, apply_sets  # noqa: E402
 from bst_fast.model import ModelConfig  # noqa: E402
 from bst_fast.tasks import Objective, Rows, build_model, model_config  # noqa: E402
@@ -447,6 +448,14 @@ def fmt(v, spec=".3g", none="-"):
     return none if v is None else format(v, spec)
 
 
+def _levers_line(switches: Dict[str, Any]) -> str:
+    """The speed levers (docs/backends.md) on in this run, named; none is the default."""
+    default = dataclasses.asdict(runtime.Switches())
+    on = [f"{k}={v}" for k, v in switches.items() if k in ("bias_in_gemm", "vocab_pad", "structured_sums", "device_sampler")
+          and v != default[k]]
+    return f" Levers on: `{' '.join(on)}`." if on else ""
+
+
 def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
     s = meta["shape"]
     lines = [
@@ -457,7 +466,8 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
         f"batch {s['batch']}, encoders {s['n_layer']} x {s['d_model']} ({s['n_head']} heads), TextHead "
         f"{s['head_layers']} x {s['head_hidden']} relu; median of {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up steps, each through `bst_fast.trainer.train_step`."
-        + (f" Config changes: `{' '.join(meta['sets'])}`." if meta["sets"] else ""), "",
+        + (f" Config changes: `{' '.join(meta['sets'])}`." if meta["sets"] else "")
+        + _levers_line(meta["switches"]), "",
     ]
     if meta["device_type"] != "cuda":
         lines += [f"A CPU run (torch threads: {meta['threads']}): not comparable with the paper's H100 figures "
@@ -549,7 +559,8 @@ def main(argv=None) -> int:
                 threads=torch.get_num_threads(),
                 precision="bf16 autocast (the trainer's)" if a.device == "cuda" else "float32 (the trainer's)",
                 shape_name=shape_name, shape={k: v for k, v in shape.items() if k not in ("steps", "warmup")},
-                steps=steps, warmup=warmup, sets=a.sets, data="SyntheticText: random ids, every row full")
+                steps=steps, warmup=warmup, sets=a.sets, data="SyntheticText: random ids, every row full",
+                switches=dataclasses.asdict(runtime.SWITCHES))  # the levers in force (docs/backends.md)
     print(f"device: {device}  torch {torch.__version__}  shape {shape_name}  {steps} timed steps after {warmup}",
           flush=True)
     task = SyntheticText(shape["vocab"], shape["T"])

@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--parts", nargs="+", default=None, help="only these parts (swiglu residual text-gelu text-sum)")
     ap.add_argument("--configs", nargs="+", default=None, metavar="BSxBKxWARPS",
                     help="time these configs (e.g. 16x128x4) after the old one and the default, no sweep")
+    ap.add_argument("--structured", action="store_true",
+                    help="the structured walk (Switches.structured_sums: PairList.jlo / alo) at every config")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,7 +87,7 @@ def main():
     old = CONFIGS["old"]  # the shapes before bench/results/h200-run4 (BS, BK, warps), timed first
     rows = []
     for part, kind, act, wide, h, tdt, chunk in parts:
-        pl = pair_list(p, B, T, chunk)
+        pl = pair_list(p, B, T, chunk, structured=args.structured)
         mid = pl.chunks[len(pl.chunks) // 2]
         s0, n = mid.s0, mid.n
         print(f"{part}: pairs={pl.ia.numel()} chunks={len(pl.chunks)} chunk={n} pairs "
@@ -117,7 +119,7 @@ def main():
         sweep = list(dict.fromkeys((BS, min(BK, base["BK"]), w) for BS, BK, w in sweep))
         first = len(sweep) + 1 if args.configs else len(sweep)  # explicit configs: no second round
         for BS, BK, warps in sweep:  # grows once, after the first round
-            cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps)
+            cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps, structured_BS=BS)
             dA = torch.zeros(2 * BL, wide, dtype=torch.float32, device=dev)
             only = {}
             for side in ("prefix", "suffix"):  # one side at a time: the other's segment range emptied
@@ -133,7 +135,7 @@ def main():
             if ref is None:
                 ref = dA.clone()
             err = ((dA - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-            row = dict(part=part, chunk=n, BS=BS, BK=BK, warps=warps, prefix_ms=only["prefix"],
+            row = dict(part=part, walk="structured" if args.structured else "listed", chunk=n, BS=BS, BK=BK, warps=warps, prefix_ms=only["prefix"],
                        suffix_ms=only["suffix"], forward_ms=fwd, rel_err_vs_first=err)
             rows.append(row)
             print(f"  {BS:3d}x{BK:<4d} w{warps}: prefix {only['prefix'] or float('nan'):.3f} ms  "

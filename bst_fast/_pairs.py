@@ -179,15 +179,22 @@ class PairList:
     chunks: List[Chunk]
     search_steps: int  # binary-search rounds that cover the longest suffix segment
     meet_token: Optional[int] = None  # both labels of a pair with ib - ia = 1 (docs/contract.md §8), as in Pairs
+    # A structured list (all pairs of a row set, pair_list(structured=True)), else None: prefix a's
+    # suffixes are jlo[a], jlo[a] + 1, ... and suffix c's prefixes alo[c], alo[c] + 1, ..., so that
+    # the slot of (a, c) is pre_off[a] + c - jlo[a]: the segment sums walk both by arithmetic.
+    jlo: Optional[torch.Tensor] = None  # (B*L,) like ia; meaningless where a prefix has no pair
+    alo: Optional[torch.Tensor] = None  # (B*L,) like ia; meaningless where a suffix has no pair
 
 
 def _exclusive_cumsum(counts):
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
-def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> PairList:
+def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structured: bool = False) -> PairList:
     """Sort the pair set into a PairList cut into chunks of `chunk` slots, its weights in `dtype`:
-    all on the device, two host synchronisations (the pair count, then the chunk table with wscale)."""
+    all on the device, two host synchronisations (the pair count, then the chunk table with wscale).
+    With `structured`, an all-pairs set (no listed pairs) also gets jlo and alo: within one row (and
+    one document, §10) the suffixes of a prefix and the prefixes of a suffix are runs of positions."""
     dev = p.lengths.device
     BL = B * L
     ia, ib, weight = flat_pairs(p, L)
@@ -226,10 +233,14 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32) -> Pair
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
     width = len(Chunk._fields)
+    jlo = alo = None
+    if structured and p.row is None and total:
+        jlo = ib[pre_off[:-1].clamp(max=total - 1)].to(idx)
+        alo = ia[perm[suf_off[:-1].clamp(max=total - 1)]].to(idx)
     return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
                     chunks=[Chunk(*map(int, table[k : k + width])) for k in range(0, width * n_chunks, width)],
-                    search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token)
+                    search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token, jlo=jlo, alo=alo)
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
@@ -502,7 +513,11 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
     if bounds is None:
-        row, i, j = sample_pairs(lengths, prefix_start, min_gap, gmax, k, generator)
+        # imported here: runtime imports head, which imports this module (as _device_sampler does)
+        from ._device_sampler import sample_on_device
+        from .backends import runtime
+        sampler = sample_on_device if runtime.SWITCHES.device_sampler else sample_pairs
+        row, i, j = sampler(lengths, prefix_start, min_gap, gmax, k, generator)
     else:
         row, i, j = sample_listed(Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), **common), L, k, generator)
     # docs/contract.md §5 estimator: each sampled pair of row r stands for |P_r| / k_r pairs of

@@ -136,10 +136,11 @@ class Encoder(nn.Module):
                                     for _ in range(cfg.n_layer))
         self.ln = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, tokens, segment: int = 0, caches=None, offset: int = 0, documents=None):
+    def forward(self, tokens, segment: Union[int, torch.Tensor] = 0, caches=None, offset: int = 0, documents=None):
         """(B, T) token ids -> (B, T, m) states; position t has read tokens[:, :t+1], or with
         `documents` ((B, T) document ids of packed rows) only its own document's tokens up to t,
-        at positions counted from the document's start."""
+        at positions counted from the document's start. `segment` (an encoder with segments): one
+        id for every row, or a (B,) long tensor of each row's own (both directions in one call)."""
         T = tokens.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")
@@ -153,7 +154,10 @@ class Encoder(nn.Module):
             # block-diagonal causal attention: a position reads its own document's earlier positions
             mask = document_mask(documents, self.attention)
         if self.seg is not None:
-            x = x + self.seg.weight[segment]
+            if torch.is_tensor(segment):  # one segment per row
+                x = x + self.seg.weight[segment][:, None]
+            else:
+                x = x + self.seg.weight[segment]
         x = self.drop(x)
         for k, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[k], mask)
@@ -201,6 +205,27 @@ def reverse_valid(tokens, lengths):
     idx = (lengths[:, None] - 1 - t).clamp(0, L - 1)
     out = tokens.gather(1, idx)
     return torch.where(t < lengths[:, None], out, tokens), idx
+
+
+def _suffix_input(tokens, lengths, documents=None):
+    """(rev, idx, rev_docs): the backward encoder's input (reverse_valid's rows and gather index)
+    and the suffix side's document ids reversed alike (None without documents)."""
+    rev, idx = reverse_valid(tokens, lengths)
+    # Reversed, a packed row's documents each read from their own end (the mask and positions
+    # follow the reversed ids); the order of the documents does not matter.
+    documents = document_sides(documents)[1]
+    return rev, idx, None if documents is None else documents.gather(1, idx)
+
+
+def _gather_back(states, idx):
+    """The backward encoder's (B, L, m) states aligned with the tokens: the state at reversed
+    position len-1-j has read the suffix from j, gathered back to j."""
+    return states.gather(1, idx[..., None].expand_as(states))
+
+
+# Shared encoders: BeliefStateTransformer.forward runs both directions in one encoder call
+# (tests set it False for the two-call reference; not a setting).
+_BATCH_SHARED = True
 
 
 def document_sides(documents):
@@ -280,17 +305,26 @@ class BeliefStateTransformer(nn.Module):
         """suffix_states of a batch forward has checked: (B,) lengths."""
         if self.suffix_constant is not None:
             return self.suffix_constant.expand(*tokens.shape, -1).contiguous()
-        rev, idx = reverse_valid(tokens, lengths)
-        # Reversed, a packed row's documents each read from their own end (the mask and positions
-        # follow the reversed ids); the order of the documents does not matter.
-        documents = document_sides(documents)[1]
-        rev_docs = None if documents is None else documents.gather(1, idx)
+        rev, idx, rev_docs = _suffix_input(tokens, lengths, documents)
         if self.backward_encoder is None:
             states = self.forward_encoder(rev, segment=1, documents=rev_docs)
         else:
             states = self.backward_encoder(rev, documents=rev_docs)
-        # The state at reversed position len-1-j has read the suffix from j: gather it back to j.
-        return states.gather(1, idx[..., None].expand_as(states))
+        return _gather_back(states, idx)
+
+    def _states(self, tokens, lengths, documents=None):
+        """(f, b) of a batch forward has checked. Shared encoders: one encoder call over 2B rows,
+        the tokens (segment 0) stacked on their reversals (segment 1), so that each layer runs one
+        set of kernels with twice the rows (the same f and b as prefix_states and _suffix_states)."""
+        if self.suffix_constant is not None or self.backward_encoder is not None or not _BATCH_SHARED:
+            return self.prefix_states(tokens, documents), self._suffix_states(tokens, lengths, documents)
+        B = tokens.shape[0]
+        rev, idx, rev_docs = _suffix_input(tokens, lengths, documents)
+        prefix_docs = document_sides(documents)[0]
+        docs = None if prefix_docs is None else torch.cat([prefix_docs, rev_docs])
+        segment = torch.arange(2 * B, device=tokens.device) // B  # rows 0..B-1: 0, rows B..2B-1: 1
+        states = self.forward_encoder(torch.cat([tokens, rev]), segment=segment, documents=docs)
+        return states[:B], _gather_back(states[B:], idx)
 
     def empty_suffix(self, eos_id: int):
         """B(∅): the backward state of a sequence holding EOS alone, (m,)."""
@@ -323,8 +357,7 @@ class BeliefStateTransformer(nn.Module):
         with record_function("encoders"):
             if documents is not None:  # kinds and shapes before the masks; their order with the loss's checks
                 check_documents(documents, lengths, *tokens.shape, tokens.device, values=False)
-            f = self.prefix_states(tokens, documents)
-            b = self._suffix_states(tokens, lengths, documents)
+            f, b = self._states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,

@@ -88,6 +88,7 @@ def test_paper_speed_runs_every_column_of_table_3_through_the_trainer(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     result = json.loads((out / "paper_speed.json").read_text())
     assert result["device"].startswith("cpu-") and result["shape_name"] == "tiny" and result["steps"] == 3
+    assert result["switches"]["structured_sums"] is False  # the levers in force are recorded
     cols = {c["name"]: c for c in result["columns"]}
     assert list(cols) == ["GPT", "BST original", "BST improved", "BST improved, SwiGLU head"]
     L, B = 34, 4  # T = 32 with BOS and EOS

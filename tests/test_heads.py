@@ -158,6 +158,27 @@ def test_both_engines_against_reference(case, kind, monkeypatch, engine):
         check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **CASES[case])
 
 
+@pytest.mark.parametrize("kind,chunk", [("mlp", 7), ("swiglu", 7), ("swiglu", None), ("other", 5)])
+def test_structured_sums_in_the_triton_engine(monkeypatch, kind, chunk):
+    """Switches.structured_sums in the torch backend's Triton engine: its plain ("sum") and swiglu
+    segment sums by arithmetic, at docs/contract.md §6's tolerances, chunks cutting rows anywhere,
+    ragged rows, gaps, prefix_start and packed documents."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    switch(monkeypatch, triton_ops=True, structured_sums=True, chunk_pairs=chunk)
+    seed = 140 + (chunk or 0) + ["mlp", "swiglu", "other"].index(kind)
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
+    documents = torch.tensor([[0] * 4 + [1] * 9, [0] * 13, [2] * 6 + [5] * 7])
+    lists = []
+    real = torch_backend.pair_list
+    monkeypatch.setattr(torch_backend, "pair_list", lambda *a, **k: lists.append(real(*a, **k)) or lists[-1])
+    for opts in (CASES["lengths_gaps"], CASES["prefix_start_sum"], dict(documents=documents, min_gap=1, meet_token=0)):
+        check_against_reference(f, b, tokens, head, backend="torch", seed=seed, **opts)
+    assert lists and all(pl.jlo is not None for pl in lists)  # the structured walk ran
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 13, 97])
 def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
     """The segment sums of a chunk of one pair, of prime sizes, of rows shorter than a chunk, in
@@ -345,11 +366,12 @@ def test_switches_come_from_the_environment(monkeypatch):
     """Each environment variable sets its switch; a LossOptions made without switches takes the ones in force."""
     for name, value in (("BST_FAST_CHUNK_MB", "0.5"), ("BST_FAST_TORCH_CHUNK_MB", "2"),
                         ("BST_FAST_TORCH_COMPILE", "1"), ("BST_FAST_TORCH_UNFUSED_SWIGLU", "1"),
-                        ("BST_FAST_BIAS_IN_GEMM", "1"), ("BST_FAST_VOCAB_PAD", "128")):
+                        ("BST_FAST_BIAS_IN_GEMM", "1"), ("BST_FAST_VOCAB_PAD", "128"),
+                        ("BST_FAST_STRUCTURED_SUMS", "1"), ("BST_FAST_DEVICE_SAMPLER", "1")):
         monkeypatch.setenv(name, value)
     assert runtime.Switches.from_environment() == runtime.Switches(
         triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False,
-        bias_in_gemm=True, vocab_pad=128)
+        bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True)
     with runtime.switched(chunk_pairs=5):
         assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches.chunk_pairs == 5
     assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches is runtime.SWITCHES

@@ -342,6 +342,55 @@ def test_pair_list_schedule():
     assert 2 ** pl.search_steps > (pl.suf_off[1:] - pl.suf_off[:-1]).max()
 
 
+@pytest.mark.parametrize("documents", [None, "ids", "separated"])
+def test_structured_pair_list(documents):
+    """pair_list(structured=True): each slot is pre_off[a] + c - jlo[a], and each suffix's prefixes
+    are the run alo[c], alo[c] + 1, ... of its slots' count, for ragged rows, prefix_start, gaps
+    and packed documents (both layouts); a listed set gets none."""
+    B, L = 3, 13
+    g = torch.Generator().manual_seed(23)
+    tokens = torch.randint(0, 5, (B, L), generator=g)
+    tokens[:, 4] = tokens[1, 8] = 0  # EOS 0 separates documents
+    docs = {None: None, "ids": torch.tensor([[0] * 5 + [1] * 8, [0] * 3 + [2] * 6 + [4] * 4, [7] * 13]),
+            "separated": _pairs.separated_documents(tokens, 0)}[documents]
+    f = b = torch.zeros(B, L, 2)
+    for min_gap, max_gap in ((1, None), (2, 4), (3, None)):
+        p = _pairs.prepare(f, b, tokens, 5, lengths=torch.tensor([13, 12, 6]), prefix_start=torch.tensor([0, 2, 1]),
+                           min_gap=min_gap, max_gap=max_gap, pairs=None, next_weight=0.5, reduction="mean",
+                           generator=None, documents=docs, meet_token=0 if min_gap == 1 else None)
+        pl = _pairs.pair_list(p, B, L, chunk=7, structured=True)
+        ia, ib = pl.ia.long(), pl.ib.long()
+        slots = torch.arange(ia.numel())
+        assert torch.equal(pl.pre_off[ia] + ib - pl.jlo.long()[ia], slots)
+        count = (pl.suf_off[1:] - pl.suf_off[:-1])[ib]
+        assert ((pl.alo.long()[ib] <= ia) & (ia < pl.alo.long()[ib] + count)).all()
+        assert torch.equal(_pairs.pair_list(p, B, L, chunk=7).ia, pl.ia)  # the same list, and no arrays without
+        assert _pairs.pair_list(p, B, L, chunk=7).jlo is None
+    listed = _pairs.prepare(f, b, tokens, 5, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
+                            pairs=0.5, next_weight=0.5, reduction="mean", generator=g)
+    assert _pairs.pair_list(listed, B, L, chunk=7, structured=True).jlo is None
+
+
+@pytest.mark.parametrize("chunk,activation,dtype", [(1, "gelu", torch.float32), (7, "silu", torch.float32),
+                                                    (23, "relu", torch.float32), (None, "gelu_tanh", torch.float32),
+                                                    (13, "gelu", torch.bfloat16)])
+def test_structured_sums(chunk, activation, dtype, chunk_pairs, monkeypatch):
+    """Switches.structured_sums: the segment sums by arithmetic keep the contract's tolerances and equal
+    the listed walk's to float32 rounding, chunks cutting rows and prefixes anywhere, ragged rows,
+    prefix_start and max_gap; explicit pairs still take the listed walk."""
+    f, b, tokens, head = _inputs(3, 11, 5, 13, hidden=16, activation=activation, seed=24 + (chunk or 0))
+    opts = dict(lengths=torch.tensor([11, 5, 9]), prefix_start=torch.tensor([0, 1, 3]), max_gap=6)
+    chunk_pairs(chunk)
+    loss, grads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    switch(monkeypatch, structured_sums=True)
+    _check(f, b, tokens, head, dtype=dtype, **opts)
+    sloss, sgrads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    assert torch.equal(loss, sloss)
+    for x, y in zip(grads, sgrads):
+        assert _rel(y, x) < (1e-6 if dtype == torch.float32 else 1e-2)
+    _check(f, b, tokens, head, dtype=dtype, pairs=0.4, seed=3)
+
+
 def test_auto_and_errors():
     f, b, tokens, head = _inputs(1, 5, 4, 5)
     assert pick("auto", head, f).NAME == "cpp"  # on the CPU the C++ engine is the fast path
@@ -397,8 +446,9 @@ try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
-INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "tok": "*i64", "seg_off": "*i64"}
+INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
+INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "jlo": "*i32", "alo": "*i32", "tok": "*i64", "seg_off": "*i64",
+         "pre_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
     # the triton backend's launch configs at three shapes, then the torch backend's pair sums
@@ -408,16 +458,20 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
         cfg = chunk_config("cuda", V or 1000, widths, dtype, SWITCHES)
         if V > 0:
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
-                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
-                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
+                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"], STRUCTURED=False), cfg["seg_warps"], "*fp32"),
+                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"], STRUCTURED=False), cfg["seg_warps"], "*fp32"),
+                        (prefix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
+                        (suffix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=False), cfg["ce_warps"], "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"))
         else:
             g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)
             launches = ((pair_hidden_kernel, dict(ACT=a, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
-                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table),
-                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table))
+                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"], STRUCTURED=False), g["seg_warps"], table),
+                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"], STRUCTURED=False), g["seg_warps"], table),
+                        (prefix_grad_kernel, dict(ACT=a, BS=g["structured_BS"], BK=g["seg_BK"], STRUCTURED=True), g["seg_warps"], table),
+                        (suffix_grad_kernel, dict(ACT=a, BS=g["structured_BS"], BK=g["seg_BK"], STRUCTURED=True), g["seg_warps"], table))
         for fn, consts, warps, table in launches:
             sig = {}
             for name in inspect.signature(fn.fn).parameters:
@@ -437,7 +491,8 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep)]
             assert regs and spills, rep
             assert max(spills) == 0, (fn.fn.__name__, dt, V, rep)
-            print(fn.fn.__name__, dt, V, widths, consts["ACT"] if "ACT" in consts else "", "registers", max(regs))
+            print(fn.fn.__name__, dt, V, widths, consts.get("ACT", ""), "structured" if consts.get("STRUCTURED") else "",
+                  "registers", max(regs))
 print("compiled")
 '''
 

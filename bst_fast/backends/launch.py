@@ -35,7 +35,8 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
     """Block shapes of the pair_hidden kernels (kernels/pair_hidden.py) for rows `width` wide (for
     "swiglu": outputs `width` wide). `kind` is what the segment sums read per slot besides dH:
     "sum" nothing (NO_ACT), "act" the other side's row (an activation's z), "swiglu" its two
-    halves. BM, BK, hidden_warps shape the forward gather; BS, seg_BK, seg_warps the segment sums."""
+    halves. BM, BK, hidden_warps shape the forward gather; BS, seg_BK, seg_warps the segment sums
+    (structured_BS their rows a step in the structured walk)."""
     if kind not in SEGMENT_KINDS:
         raise ValueError(f"kind must be one of {SEGMENT_KINDS}, got {kind!r}")
     if device_type == "cuda":
@@ -48,8 +49,12 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
         # resident and more rows a loop step pay, so "act" and "swiglu" run 32 x 64 on 2 warps.
         # Plain sums keep 16 x 128 on 4 warps: the objectives that use them measured faster so.
         seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
+        # The structured walk (PairList.jlo) keeps more addresses live: "swiglu" at 32 rows spills
+        # (255 registers, ptxas sm_90), at 16 it takes 140-186 and none. Not timed yet.
+        structured = 16 if kind == "swiglu" else seg[0]
         return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
-                    BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2])
+                    BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2],
+                    structured_BS=structured)
     # the interpreter: small blocks that still exercise every loop
     return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), hidden_warps=4,
-                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4)
+                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4, structured_BS=4)

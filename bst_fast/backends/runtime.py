@@ -82,6 +82,10 @@ class Switches:
     # multiple of this (0: none), BST_FAST_VOCAB_PAD: V = 1000 fills no 128- or 256-wide GEMM tile,
     # 1024 does. Off until timed by bench/gpu.sh's `levers` step.
     vocab_pad: int = 0
+    # The segment sums of an all-pairs list walk its slots and rows by arithmetic (PairList.jlo, alo)
+    # instead of through ib / perm / ia and a binary search: one level of dependent loads a loop step
+    # instead of two or three, BST_FAST_STRUCTURED_SUMS=1. Off until timed by bench/gpu.sh's `levers`.
+    structured_sums: bool = False
     # Subsampled pairs of rows without documents drawn on the tensors' device (_pairs.sample_on_device)
     # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off until bench/gpu.sh
     # has timed it against the C++ sampler on a GPU.
@@ -95,6 +99,7 @@ class Switches:
                    fused_swiglu=not env_flag("BST_FAST_TORCH_UNFUSED_SWIGLU"),
                    bias_in_gemm=env_flag("BST_FAST_BIAS_IN_GEMM"),
                    vocab_pad=env_count("BST_FAST_VOCAB_PAD"),
+                   structured_sums=env_flag("BST_FAST_STRUCTURED_SUMS"),
                    device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"))
 
 

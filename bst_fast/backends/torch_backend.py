@@ -176,7 +176,8 @@ class _ChunkedLoss(torch.autograd.Function):
         fused = switches.fused_swiglu
         per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize // (2 if k in swiglu_parts and fused else 1)
                                              for k, (P, d) in enumerate(zip(prefix, dtypes)))
-        pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc)
+        pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
+                       structured=switches.structured_sums)
         ops = engine(dev, acc, switches.triton_ops)(prefix, suffix, dtypes, swiglu_parts, pl, grads, tokens,
                                                     call.options.next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)

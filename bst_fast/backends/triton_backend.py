@@ -205,7 +205,7 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     if Vp != V:
         weights, biases = _padded_vocabulary(weights, biases, V, Vp)
     cfg = chunk_config(A.device.type, Vp, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
-    pl = pair_list(p, Bn, L, cfg["chunk"])
+    pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums)
     with on_device(A.device):
         loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, weights, biases, activation, next_weight, need_grad,
                                                dtype, cfg, V)

@@ -9,7 +9,10 @@ B). A chunk is the slot range [s0, s0 + n) of that list. With dH the chunk's gra
 
 Prefix segments are contiguous runs of the list. Suffix segments are runs of `perm`, the list's
 slots sorted by (ib, ia); within one, slots increase, so a chunk's part of it is a sub-run that the
-kernel finds by binary search. One program owns one segment and one block of hidden units: it sums in a
+kernel finds by binary search. A structured list (all pairs, PairList.jlo set; Switches.structured_sums)
+is walked by arithmetic instead: prefix a's suffixes are jlo[a], jlo[a] + 1, ..., suffix c's
+prefixes alo[c], alo[c] + 1, ..., and the slot of (a, c) is pre_off[a] + c - jlo[a], so neither ib,
+perm, ia nor a search is read. One program owns one segment and one block of hidden units: it sums in a
 fixed order and adds into dA / dB without atomics, so results are bitwise reproducible (chunks run
 one after another on the stream).
 
@@ -32,7 +35,10 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   gate, up, silu(gate), H, and three gradients; read back: 12), 16 KB against 102 KB per pair for
   the SwiGLU head at m=512 in bf16.
 - Launch shapes (backends/launch.py gather_config): the segment loop is latency-bound (slot ->
-  other row index -> row, dependent loads), so it takes more rows a loop step on fewer warps.
+  other row index -> row, dependent loads), so it takes more rows a loop step on fewer warps. The
+  structured walk cuts a level from each chain (prefix: none left but dH and the row, both from
+  the loop index; suffix: pre_off[a], jlo[a] -> slot -> dH, the row from a) and the suffix search:
+  176-192 registers for "act", 140-186 for SWIGLU at 16 rows a step (32 spill), no spills.
   Activation and SWIGLU sums run 32 slots x 64 units on 2 warps: 127-168 registers (ptxas sm_90,
   Triton 3.9), no spills. Plain sums 16 x 128 on 4 warps (32-54 registers). The timings behind
   both: docs/backends.md ("Launch shapes").
@@ -66,12 +72,20 @@ def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld, ldh,
     tl.store(H + r[:, None] * ldh + k[None, :], cast(y, H.dtype.element_ty, UP), mask=m2)
 
 
+# How a segment kernel walks its segment (_segment_sum's MODE). Listed: from the list's index
+# arrays. Structured (an all-pairs list, PairList.jlo set): slots and rows by arithmetic.
+PREFIX_LISTED = tl.constexpr(0)  # q a slot; the other row ib[q]
+SUFFIX_LISTED = tl.constexpr(1)  # q a position in perm; slot perm[q]; the other row ia[slot]
+PREFIX_STRUCTURED = tl.constexpr(2)  # q a slot; the other row q + shift (shift = jlo[a] - pre_off[a])
+SUFFIX_STRUCTURED = tl.constexpr(3)  # q a prefix a; slot pre_off[a] + shift - jlo[a] (shift = c); row a
+
+
 @triton.jit
-def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
-                 ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, PERMUTED: tl.constexpr):
-    # The segment kernels' shared loop: the sum over list positions q in [lo, hi) of
-    # dH[slot - s0] * act'(z1), slot = perm[q] if PERMUTED else q, z1 = z_fixed (the segment's own
-    # A or B row) + M[other[slot]] (the other side's row, gathered; rows ld apart). Under NO_ACT,
+def _segment_sum(dH, M, other, perm, lo, hi, shift, z_fixed, u_fixed, s0, n, h, ld, k, km,
+                 ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
+    # The segment kernels' shared loop: the sum over q in [lo, hi) of dH[slot - s0] * act'(z1),
+    # slot and the other side's row as MODE says (`other` is ib or ia, or jlo; `perm` is perm, or
+    # pre_off), z1 = z_fixed (the segment's own A or B row) + M[row] (rows ld apart). Under NO_ACT,
     # the plain sum of dH (z_fixed and M are not read). Under SWIGLU two sums, the gate's and the
     # up half's gradients, with g = z_fixed + M[.., k], u = u_fixed + M[.., h + k]; else the second
     # is zero.
@@ -80,17 +94,28 @@ def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
     for s in range(lo, hi, BS):
         q = s + tl.arange(0, BS)
         qm = q < hi
-        m2 = qm[:, None] & km[None, :]
-        if PERMUTED:
+        if MODE == SUFFIX_LISTED:
             slot = tl.load(perm + q, mask=qm, other=0)
+        elif MODE == SUFFIX_STRUCTURED:
+            # the chunk may cut the first and last prefixes' runs: keep slots inside it
+            slot = tl.load(perm + q, mask=qm, other=0) + shift - tl.load(other + q, mask=qm, other=0)
+            qm = qm & (slot >= s0) & (slot < s0 + n)
         else:
             slot = q
+        m2 = qm[:, None] & km[None, :]
+        step = tl.arange(0, BS)[:, None]
         d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
         if ACT != NO_ACT:
-            rows = tl.load(other + slot, mask=qm, other=0).to(tl.int64) * ld
-            z = z_fixed[None, :] + tl.load(M + rows[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            # a 64-bit base a step, 32-bit offsets within it (tl.cast: s is a Python int when interpreted)
+            if MODE == PREFIX_STRUCTURED:
+                Mrows = M + tl.cast(s + shift, tl.int64) * ld + step * ld
+            elif MODE == SUFFIX_STRUCTURED:
+                Mrows = M + tl.cast(s, tl.int64) * ld + step * ld
+            else:
+                Mrows = M + tl.load(other + slot, mask=qm, other=0).to(tl.int64)[:, None] * ld
+            z = z_fixed[None, :] + tl.load(Mrows + k[None, :], mask=m2, other=0.0).to(tl.float32)
             if ACT == SWIGLU:
-                u = u_fixed[None, :] + tl.load(M + rows[:, None] + h + k[None, :], mask=m2, other=0.0).to(tl.float32)
+                u = u_fixed[None, :] + tl.load(Mrows + h + k[None, :], mask=m2, other=0.0).to(tl.float32)
                 d, d_up = swiglu_grad(d, z, u)
                 acc_up += tl.sum(tl.where(m2, d_up, 0.0), axis=0)
             else:
@@ -109,20 +134,28 @@ def _add_row(dA, row, k, km, h, scale, acc, acc_up, ACT: tl.constexpr):
 
 
 @triton.jit
-def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, ld, scale,
-                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+def prefix_grad_kernel(dH, A, Bm, ib, jlo, seg_off, seg_lo, dA, s0, n, h, ld, scale,
+                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, STRUCTURED: tl.constexpr):
     # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
     # dA[a] += scale * (the chunk's part of the segment's sum). Rows of A, B, dA are ld apart.
+    # STRUCTURED: the segment's suffixes are jlo[a], jlo[a] + 1, ... (ib is not read).
     g = seg_lo + tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     a = g.to(tl.int64) * ld
-    lo = tl.maximum(tl.load(seg_off + g), s0)
+    first = tl.load(seg_off + g)
+    lo = tl.maximum(first, s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
     # the segment's own row, float32 (the sums are float32 whatever the tables' dtype)
     za = tl.load(A + a + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
     ua = tl.load(A + a + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
-    acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, za, ua, s0, h, ld, k, km, ACT, BS, BK, False)
+    if STRUCTURED:
+        shift = tl.load(jlo + g) - first
+        acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, shift, za, ua, s0, n, h, ld, k, km, ACT, BS, BK,
+                                   PREFIX_STRUCTURED)
+    else:
+        acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, 0, za, ua, s0, n, h, ld, k, km, ACT, BS, BK,
+                                   PREFIX_LISTED)
     _add_row(dA, a, k, km, h, scale, acc, acc_up, ACT)
 
 
@@ -141,21 +174,33 @@ def _first_at_least(perm, lo, hi, x, STEPS):
 
 @triton.jit
 def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, steps, scale,
-                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+                       jlo, alo, pre_off, pre_lo, pre_hi,
+                       ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, STRUCTURED: tl.constexpr):
     # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]],
     # increasing; the chunk's part of them is found by binary search, so no program scans slots of
     # other chunks (a row's suffix segments span every chunk that holds part of the row).
+    # STRUCTURED: the segment's prefixes are alo[c], alo[c] + 1, ... (as many as its slots), the
+    # chunk's part of them those in the chunk's prefix segments [pre_lo, pre_hi), and the slot of
+    # prefix a is pre_off[a] + c - jlo[a]: no perm, no ia, no search.
     # dB[c] += scale * (the chunk's part of the segment's sum).
     c = (seg_lo + tl.program_id(0)).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     first = tl.load(seg_off + c)
     last = tl.load(seg_off + c + 1)
-    lo = _first_at_least(perm, first, last, s0, steps)
-    hi = _first_at_least(perm, lo, last, s0 + n, steps)
     zb = tl.load(Bm + c * ld + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
     ub = tl.load(Bm + c * ld + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
-    acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, zb, ub, s0, h, ld, k, km, ACT, BS, BK, True)
+    if STRUCTURED:
+        a0 = tl.load(alo + c)
+        lo = tl.maximum(a0, pre_lo)
+        hi = tl.minimum(a0 + (last - first), pre_hi)
+        acc, acc_up = _segment_sum(dH, A, jlo, pre_off, lo, hi, c, zb, ub, s0, n, h, ld, k, km, ACT, BS, BK,
+                                   SUFFIX_STRUCTURED)
+    else:
+        lo = _first_at_least(perm, first, last, s0, steps)
+        hi = _first_at_least(perm, lo, last, s0 + n, steps)
+        acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, 0, zb, ub, s0, n, h, ld, k, km, ACT, BS, BK,
+                                   SUFFIX_LISTED)
     _add_row(dB, c * ld, k, km, h, scale, acc, acc_up, ACT)
 
 
@@ -190,10 +235,16 @@ def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
                          f"A {A.stride()}, B {Bm.stride()} do not fit act {act}")
     BS, BK, warps = cfg["BS"], cfg["seg_BK"], cfg["seg_warps"]
     grid_k = triton.cdiv(h, BK)
+    structured = pl.jlo is not None
+    if structured:
+        BS = cfg["structured_BS"]
+    # a listed list's launches get a placeholder for the structured arrays (never read)
+    jlo, alo = (pl.jlo, pl.alo) if structured else (pl.ib, pl.ia)
     if pre_hi > pre_lo:
         prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
-            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=BS, BK=BK, num_warps=warps)
+            dH, A, Bm, pl.ib, jlo, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=BS, BK=BK,
+            STRUCTURED=structured, num_warps=warps)
     if suf_hi > suf_lo:
         suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
             dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pl.search_steps, scale,
-            ACT=act, BS=BS, BK=BK, num_warps=warps)
+            jlo, alo, pl.pre_off, pre_lo, pre_hi, ACT=act, BS=BS, BK=BK, STRUCTURED=structured, num_warps=warps)
