@@ -18,14 +18,14 @@
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="paper check levers packed heads profile-swiglu" timeout 590 bash bench/gpu.sh
+#       STEPS="paper levers check check-levers packed" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper check levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -62,13 +62,15 @@ slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
+# the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
+# checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
+step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
 # the backends against float64 (what the table ran on). QUICK: without the torch+compile cases
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
-# the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
-# checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
-step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
+# the same float64 checks with the four levers on (bench/gpu_check.py --levers), the backends they touch
+step 180 check-levers python3 bench/gpu_check.py cuda triton torch --levers
 # Table 3 again with every lever on that changes its columns (the sampler, the bias fold, the
 # structured sums): the whole step's gain, once levers.py has shown which pay
 step 270 paper-levers env BST_FAST_BIAS_IN_GEMM=1 BST_FAST_STRUCTURED_SUMS=1 BST_FAST_DEVICE_SAMPLER=1 \
