@@ -69,11 +69,11 @@ step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
-# the same float64 checks with the four levers on (bench/gpu_check.py --levers), the backends they touch
+# the same float64 checks with the five levers on (bench/gpu_check.py --levers), the backends they touch
 step 180 check-levers python3 bench/gpu_check.py cuda triton torch --levers
 # Table 3 again with every lever on that changes its columns (the sampler, the bias fold, the
-# structured sums): the whole step's gain, once levers.py has shown which pay
-step 270 paper-levers env BST_FAST_BIAS_IN_GEMM=1 BST_FAST_STRUCTURED_SUMS=1 BST_FAST_DEVICE_SAMPLER=1 \
+# structured sums, the cross-entropy's bias sums): the whole step's gain, once levers.py has shown which pay
+step 270 paper-levers env BST_FAST_BIAS_IN_GEMM=1 BST_FAST_CE_BIAS_SUMS=1 BST_FAST_STRUCTURED_SUMS=1 BST_FAST_DEVICE_SAMPLER=1 \
     python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug-levers"
 # packed rows (docs/contract.md §10) against one document a row, the same documents and pairs, the
 # triton backend (issue 22's GPU line): 256 documents of 8..256 tokens at the profile's width; then both encoders (4 blocks) with SDPA and flex_attention

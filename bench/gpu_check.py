@@ -5,7 +5,7 @@ line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py                 # needs a CUDA GPU
     python bench/gpu_check.py cuda torch      # one device, only the named backends
-    python bench/gpu_check.py --levers        # every case with the four levers on (docs/backends.md)
+    python bench/gpu_check.py --levers        # every case with the five levers on (docs/backends.md)
 
 A case that raises (e.g. a sampled-pairs case while the C++ extension, which samples, is not
 built) is counted as a failure and the others still run.
@@ -44,10 +44,12 @@ def main(argv=None):
     ap.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("backends", nargs="*", choices=names, help=f"only these (default: all of {names})")
     ap.add_argument("--levers", action="store_true",
-                    help="run every case with the levers on: bias_in_gemm, vocab_pad=128, structured_sums, device_sampler")
+                    help="run every case with the levers on: bias_in_gemm, ce_bias_sums, vocab_pad=128, "
+                         "structured_sums, device_sampler")
     args = ap.parse_args(argv)
     if args.levers:
-        with runtime.switched(bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True):
+        with runtime.switched(bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True,
+                              ce_bias_sums=True):
             print(f"levers on: {runtime.SWITCHES}")
             return _check_all(args)
     return _check_all(args)

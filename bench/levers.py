@@ -16,7 +16,11 @@ becomes the default. The settings (LEVERS):
 - "structured_sums": the segment sums of an all-pairs list walk slots and rows by arithmetic, no
   index loads and no binary search (prediction: they were 63 of the 414 ms H200 step, bound by
   chains of dependent loads; one level a step instead of two or three should about halve them);
-- "all three": bias_in_gemm, vocab_pad=128 and structured_sums together;
+- "ce_bias_sums": the cross-entropy 16 rows a program, each half read once, writing the last
+  layer's bias gradient as partial column sums (the column sum and the cross-entropy's second
+  read of each row go, without bias_in_gemm's wider dW GEMM: its ones column adds a 128-wide
+  tile for 8 columns at h = 512 or 768); with bias_in_gemm the hidden layers keep the fold;
+- "all": bias_in_gemm, ce_bias_sums, vocab_pad=128 and structured_sums together;
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
@@ -60,7 +64,9 @@ LEVERS = {
     "vocab_pad=256": (dict(vocab_pad=256), False),
     "bias_in_gemm+vocab_pad=128": (dict(bias_in_gemm=True, vocab_pad=128), False),
     "structured_sums": (dict(structured_sums=True), False),
-    "all three": (dict(bias_in_gemm=True, vocab_pad=128, structured_sums=True), False),
+    "ce_bias_sums": (dict(ce_bias_sums=True), False),
+    "ce_bias_sums+bias_in_gemm": (dict(ce_bias_sums=True, bias_in_gemm=True), False),
+    "all": (dict(bias_in_gemm=True, ce_bias_sums=True, vocab_pad=128, structured_sums=True), False),
     "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),

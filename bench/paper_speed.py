@@ -451,7 +451,7 @@ def fmt(v, spec=".3g", none="-"):
 def _levers_line(switches: Dict[str, Any]) -> str:
     """The speed levers (docs/backends.md) on in this run, named; none is the default."""
     default = dataclasses.asdict(runtime.Switches())
-    on = [f"{k}={v}" for k, v in switches.items() if k in ("bias_in_gemm", "vocab_pad", "structured_sums", "device_sampler")
+    on = [f"{k}={v}" for k, v in switches.items() if k in ("bias_in_gemm", "ce_bias_sums", "vocab_pad", "structured_sums", "device_sampler")
           and v != default[k]]
     return f" Levers on: `{' '.join(on)}`." if on else ""
 

@@ -342,6 +342,37 @@ def test_pair_list_schedule():
     assert 2 ** pl.search_steps > (pl.suf_off[1:] - pl.suf_off[:-1]).max()
 
 
+@pytest.mark.parametrize("chunk,fold,dtype,opts", [
+    (13, False, torch.float32, dict(lengths=torch.tensor([9, 7]), prefix_start=1, next_weight=0.3)),
+    (7, True, torch.bfloat16, dict(min_gap=1, meet_token=2, next_weight=1.0)),
+    (None, False, torch.float16, dict(reduction="row_mean", next_weight=0.0)),
+    (5, True, torch.float32, dict(pairs=0.5, seed=4)),
+    (11, "pad", torch.float32, dict(next_weight=0.6))])
+def test_ce_bias_sums(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
+    """Switches.ce_bias_sums: the rows cross-entropy (3 rows a program under the interpreter, chunks
+    that are not a multiple) gives the same loss and logits gradient, and the last bias gradient as
+    partial column sums, at the contract's tolerances, with and without bias_in_gemm, with the
+    vocabulary padded (V = 19 to 32: the sums land in each half's real columns), for meet pairs,
+    one-sided next_weight, row_mean and subsampled (weighted) pairs."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, hidden=[12, 10], n_layers=3, activation="gelu", seed=25)
+    chunk_pairs(chunk)
+    loss, grads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    calls = []
+    real = triton_backend.pair_cross_entropy_rows_
+    monkeypatch.setattr(triton_backend, "pair_cross_entropy_rows_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    switch(monkeypatch, ce_bias_sums=True, bias_in_gemm=bool(fold), vocab_pad=16 if fold == "pad" else 0)
+    _check(f, b, tokens, head, dtype=dtype, **opts)
+    rloss, rgrads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    assert calls  # the rows kernel ran
+    assert _rel(rloss, loss) < 1e-6
+    for x, y in zip(grads, rgrads):
+        assert _rel(y, x) < (1e-5 if dtype == torch.float32 else 1e-2)
+    with torch.no_grad():
+        assert _rel(belief_state_loss(f, b, tokens, head, backend="triton", **{k: v for k, v in opts.items() if k != "seed"},
+                                      **({"generator": torch.Generator().manual_seed(opts["seed"])} if "seed" in opts else {})),
+                    loss) < 1e-5 or dtype != torch.float32
+
+
 @pytest.mark.parametrize("documents", [None, "ids", "separated"])
 def test_structured_pair_list(documents):
     """pair_list(structured=True): each slot is pre_off[a] + c - jlo[a], and each suffix's prefixes
@@ -436,8 +467,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
-from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
-from bst_fast.backends.launch import chunk_config, gather_config
+from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel, pair_cross_entropy_rows_kernel
+from bst_fast.backends.launch import CE_ROWS_MAX_V, chunk_config, gather_config
 from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
@@ -463,7 +494,11 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                         (prefix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
                         (suffix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=False), cfg["ce_warps"], "*fp32"),
-                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"))
+                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"),
+                        (pair_cross_entropy_rows_kernel, dict(R=cfg["ce_rows"], NEED_GRAD=True, BV=cfg["rows_BV"], UP=False, MEET=True),
+                         cfg["rows_warps"], "*fp32"))
+            if cfg["rows_BV"] > CE_ROWS_MAX_V:  # the backend takes the rows kernel only up to there
+                launches = launches[:-1]
         else:
             g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)

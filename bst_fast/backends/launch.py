@@ -19,13 +19,21 @@ def chunk_config(device_type: str, V: int, widths, dtype, switches) -> dict:
     return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V))
 
 
+CE_ROWS_MAX_V = 4096  # the widest half the rows cross-entropy holds in registers (8 a thread on 16 warps)
+
+
 def ce_config(device_type: str, V: int) -> dict:
     """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
+    # the rows kernel (ce_bias_sums) holds a whole half in one block of rows_BV (used where that is at
+    # most CE_ROWS_MAX_V), R = ce_rows rows a program
+    rows_BV = triton.next_power_of_2(V)
     if device_type == "cuda":
         # at most 8 logits a thread: 16 sit at sm_90's register cap
         BV = min(4096, triton.next_power_of_2(V))
-        return dict(BV=BV, ce_warps=max(4, BV // 256))
-    return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4)  # the interpreter: every loop runs
+        return dict(BV=BV, ce_warps=max(4, BV // 256), rows_BV=rows_BV, ce_rows=16,
+                    rows_warps=min(16, max(4, rows_BV // 256)))
+    # the interpreter: every loop runs
+    return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4, rows_BV=rows_BV, ce_rows=3, rows_warps=4)
 
 
 SEGMENT_KINDS = ("sum", "act", "swiglu")

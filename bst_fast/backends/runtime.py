@@ -86,6 +86,10 @@ class Switches:
     # instead of through ib / perm / ia and a binary search: one level of dependent loads a loop step
     # instead of two or three, BST_FAST_STRUCTURED_SUMS=1. Off until timed by bench/gpu.sh's `levers`.
     structured_sums: bool = False
+    # The triton backend's cross-entropy R rows a program, each half read once, writing the column
+    # sums of the gradient as partial rows: the last layer's bias gradient without a column sum over
+    # the (n, 2V) gradient (V <= 4096), BST_FAST_CE_BIAS_SUMS=1. Off until timed by `levers`.
+    ce_bias_sums: bool = False
     # Subsampled pairs of rows without documents drawn on the tensors' device (_pairs.sample_on_device)
     # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off until bench/gpu.sh
     # has timed it against the C++ sampler on a GPU.
@@ -100,6 +104,7 @@ class Switches:
                    bias_in_gemm=env_flag("BST_FAST_BIAS_IN_GEMM"),
                    vocab_pad=env_count("BST_FAST_VOCAB_PAD"),
                    structured_sums=env_flag("BST_FAST_STRUCTURED_SUMS"),
+                   ce_bias_sums=env_flag("BST_FAST_CE_BIAS_SUMS"),
                    device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"))
 
 

@@ -19,11 +19,15 @@ So 6*n*hL*2V FLOPs in three large GEMMs (M = n, the chunk), about 4*n*2V*es byte
 no atomics anywhere (every sum has one owner and a fixed order: bitwise reproducible), and memory
 bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
 
-Two levers, runtime switches off until bench/levers.py has timed them on a GPU (docs/backends.md):
+Levers, runtime switches off until bench/levers.py has timed them on a GPU (docs/backends.md):
 - bias_in_gemm: every layer's input H_k sits in a buffer with a ones column, so the dW GEMM over
   [H_k | 1 | 0..] (8 more columns at most) also yields dc_k: no column sum, saving a read of
   n*2V*es per chunk for the last layer (n*h*es for a hidden one) for 8/hL more dW FLOPs; a hidden
   layer's H is copied once into its buffer (n*h*es written and read).
+- ce_bias_sums: the cross-entropy R rows a program (pair_cross_entropy_rows_kernel, V <= 4096), each
+  half read once, also writing the column sums of dz as n / R partial rows: dc_L without the
+  column sum, and no 8 extra dW columns (bias_in_gemm's, which at h = 512 or 768 cost a partly
+  filled GEMM tile); the hidden layers keep bias_in_gemm's fold where it is on too.
 - vocab_pad: each half of W_L padded with zero rows to Vp, a tile multiple (V = 1000 -> 1024):
   2Vp/2V more logit FLOPs and bytes, for GEMM tiles that divide N = 2Vp. The padded logits are
   exact zeros the cross-entropy skips; their gradient rows are dropped.
@@ -41,15 +45,16 @@ import os
 from typing import List, Optional, Tuple
 
 import torch
+import triton
 
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
 from . import pair_loss_op, runtime
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
-from ..kernels.cross_entropy import pair_cross_entropy_
+from ..kernels.cross_entropy import pair_cross_entropy_, pair_cross_entropy_rows_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
-from .launch import chunk_config
+from .launch import CE_ROWS_MAX_V, chunk_config
 from .runtime import LossOptions, fused_problem, on_device
 
 NAME = "triton"
@@ -120,6 +125,10 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     # re-reads dZ_k (for the last layer, the (n, 2V) logits gradient).
     fold = runtime.SWITCHES.bias_in_gemm
     ones = [_ones_column(loss_rows.numel(), w.shape[1], dtype, dev) for w in weights] if fold and need else None
+    # Under ce_bias_sums the cross-entropy also writes the last layer's bias gradient, as partial
+    # column sums of R rows each (pair_cross_entropy_rows_), where a half fits one block
+    rows_ce = runtime.SWITCHES.ce_bias_sums and cfg["rows_BV"] <= CE_ROWS_MAX_V
+    dc_part = torch.empty(triton.cdiv(loss_rows.numel(), cfg["ce_rows"]) if need else 1, 2 * V, **f32) if rows_ce else None
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
@@ -132,14 +141,24 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
                 H = ones[k + 1][:n, : H.shape[1]].copy_(H)
             Hs.append(H)
         Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-        loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V)
+        last_dc = None
+        if rows_ce:
+            chunk_loss, last_dc = pair_cross_entropy_rows_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, dc_part, cfg, up, V)
+            loss += chunk_loss
+        else:
+            loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V)
         if not need:
             continue
         dH = Z
         for k in range(len(weights) - 1, -1, -1):
             if k < len(weights) - 1:
                 dH = activation_grad(act_name, dH, Zs[k])  # dZ of hidden layer k + 2
-            if ones:
+            if k == len(weights) - 1 and last_dc is not None:  # the cross-entropy's partial sums
+                sums, Vp = last_dc.sum(0), dc[k].shape[0] // 2  # the halves' V columns (of Vp, padded)
+                dc[k][:V] += sums[:V]
+                dc[k][Vp : Vp + V] += sums[V:]
+                dW[k] += _mm_f32(dH.t(), Hs[k])
+            elif ones:
                 width = Hs[k].shape[1]
                 g = _mm_f32(dH.t(), ones[k][:n])
                 dW[k] += g[:, :width]
