@@ -122,11 +122,11 @@ def main():
             cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps, structured_BS=BS)
             dA = torch.zeros(2 * BL, wide, dtype=torch.float32, device=dev)
             only = {}
-            for side in ("prefix", "suffix"):  # one side at a time: the other's segment range emptied
-                c = mid._replace(suf_lo=0, suf_hi=0) if side == "prefix" else mid._replace(pre_lo=0, pre_hi=0)
+            for side in ("prefix", "suffix"):  # one side's kernel at a time (the structured suffix walk
+                # reads the chunk's prefix range: the chunk stays whole)
                 try:
-                    only[side] = timed(lambda: segment_grads(dH, A, Bm, pl, c, dA[:BL], dA[BL:], act, 1.0, cfg),
-                                       dev.type, args.reps)
+                    only[side] = timed(lambda: segment_grads(dH, A, Bm, pl, mid, dA[:BL], dA[BL:], act, 1.0, cfg,
+                                                             sides=(side,)), dev.type, args.reps)
                 except Exception as e:  # a config that does not compile (shared memory, registers)
                     only[side] = None
                     print(f"  {BS}x{BK} w{warps} {side}: {type(e).__name__}: {str(e)[:120]}")

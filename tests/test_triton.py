@@ -422,6 +422,31 @@ def test_structured_sums(chunk, activation, dtype, chunk_pairs, monkeypatch):
     _check(f, b, tokens, head, dtype=dtype, pairs=0.4, seed=3)
 
 
+def test_segment_sums_past_two_to_the_31_slots():
+    """A chunk whose slots straddle 2**31 (the int64 index path): s0 + n must not wrap as an i32.
+    The segment kernels launched by hand on one prefix segment [s0, s0 + 4) and one suffix."""
+    from bst_fast.kernels.activation import NO_ACT
+    from bst_fast.kernels.pair_hidden import prefix_grad_kernel, suffix_grad_kernel
+
+    h = n = 4
+    s0 = 2**31 - 2
+    dH = torch.arange(1.0, 1 + n * h).reshape(n, h)
+    A = Bm = torch.zeros(8, h)
+    seg_off = torch.tensor([s0, s0 + n, s0 + n])  # prefix 0 holds slots s0 .. s0 + 3
+    jlo, one = torch.tensor([3, 0]), torch.zeros(1, dtype=torch.int64)
+    for structured in (False, True):
+        dA = torch.zeros(8, h)
+        prefix_grad_kernel[(1, 1)](dH, A, Bm, torch.tensor([3, 4, 5, 6]) if not structured else one, jlo, seg_off,
+                                   0, dA, s0, n, h, h, 1.0, ACT=NO_ACT.value, BS=4, BK=4, STRUCTURED=structured)
+        assert torch.equal(dA[0], dH.sum(0)), structured
+    # suffix 3 meets prefix 0 at slot pre_off[0] + 3 - jlo[0] = s0
+    dB = torch.zeros(8, h)
+    suffix_grad_kernel[(1, 1)](dH, A, Bm, one, one, torch.tensor([0, 0, 0, 0, 1]), 3, dB, s0, n, h, h, 1, 1.0,
+                               jlo, torch.zeros(4, dtype=torch.int64), seg_off, 0, 1, ACT=NO_ACT.value, BS=4, BK=4,
+                               STRUCTURED=True)
+    assert torch.equal(dB[3], dH[0])
+
+
 def test_auto_and_errors():
     f, b, tokens, head = _inputs(1, 5, 4, 5)
     assert pick("auto", head, f).NAME == "cpp"  # on the CPU the C++ engine is the fast path

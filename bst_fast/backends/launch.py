@@ -58,7 +58,7 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
         # Plain sums keep 16 x 128 on 4 warps: the objectives that use them measured faster so.
         seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
         # The structured walk (PairList.jlo) keeps more addresses live: "swiglu" at 32 rows spills
-        # (255 registers, ptxas sm_90), at 16 it takes 140-186 and none. Not timed yet.
+        # (255 registers, ptxas sm_90), at 16 it takes 140-188 and none. Not timed yet.
         structured = 16 if kind == "swiglu" else seg[0]
         return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
                     BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2],

@@ -38,7 +38,7 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   other row index -> row, dependent loads), so it takes more rows a loop step on fewer warps. The
   structured walk cuts a level from each chain (prefix: none left but dH and the row, both from
   the loop index; suffix: pre_off[a], jlo[a] -> slot -> dH, the row from a) and the suffix search:
-  176-192 registers for "act", 140-186 for SWIGLU at 16 rows a step (32 spill), no spills.
+  176-193 registers for "act", 140-188 for SWIGLU at 16 rows a step (32 spill), no spills.
   Activation and SWIGLU sums run 32 slots x 64 units on 2 warps: 127-168 registers (ptxas sm_90,
   Triton 3.9), no spills. Plain sums 16 x 128 on 4 warps (32-54 registers). The timings behind
   both: docs/backends.md ("Launch shapes").
@@ -92,7 +92,7 @@ def _segment_sum(dH, M, other, perm, lo, hi, shift, z_fixed, u_fixed, s0, n, h, 
     acc = tl.zeros((BK,), dtype=tl.float32)
     acc_up = tl.zeros((BK,), dtype=tl.float32)
     for s in range(lo, hi, BS):
-        q = s + tl.arange(0, BS)
+        q = tl.cast(s, tl.int64) + tl.arange(0, BS)  # int64 slots (interpreted, s is a Python int)
         qm = q < hi
         if MODE == SUFFIX_LISTED:
             slot = tl.load(perm + q, mask=qm, other=0)
@@ -140,6 +140,7 @@ def prefix_grad_kernel(dH, A, Bm, ib, jlo, seg_off, seg_lo, dA, s0, n, h, ld, sc
     # dA[a] += scale * (the chunk's part of the segment's sum). Rows of A, B, dA are ld apart.
     # STRUCTURED: the segment's suffixes are jlo[a], jlo[a] + 1, ... (ib is not read).
     g = seg_lo + tl.program_id(0)
+    s0 = tl.cast(s0, tl.int64)  # s0 + n passes 2**31 in a batch of more pairs (an i32 argument)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     a = g.to(tl.int64) * ld
@@ -184,6 +185,7 @@ def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, s
     # prefix a is pre_off[a] + c - jlo[a]: no perm, no ia, no search.
     # dB[c] += scale * (the chunk's part of the segment's sum).
     c = (seg_lo + tl.program_id(0)).to(tl.int64)
+    s0 = tl.cast(s0, tl.int64)  # s0 + n passes 2**31 in a batch of more pairs (an i32 argument)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     first = tl.load(seg_off + c)
@@ -220,11 +222,12 @@ def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
         num_warps=cfg["hidden_warps"])
 
 
-def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
+def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg, sides=("prefix", "suffix")):
     """dA, dB += scale * the prefix / suffix segment sums, over `chunk` (a _pairs.Chunk), of
     dH * act'(A_ia + B_ib) (of dH alone under NO_ACT, which reads neither A nor B; under SWIGLU the
     gate's and up's gradients, dA and dB 2h wide). dH (n, h) contiguous; the rows of dA, dB (and of
-    A, B where read) share a stride, each row contiguous: dA may be a column slice of a wider table."""
+    A, B where read) share a stride, each row contiguous: dA may be a column slice of a wider table.
+    `sides`: the kernels to launch (benchmarks time one alone)."""
     s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk.s0, chunk.n, chunk.pre_lo, chunk.pre_hi, chunk.suf_lo, chunk.suf_hi
     h, ld = dH.shape[1], dA.stride(-2)
     wide = 2 * h if act == SWIGLU.value else h
@@ -240,11 +243,11 @@ def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg):
         BS = cfg["structured_BS"]
     # a listed list's launches get a placeholder for the structured arrays (never read)
     jlo, alo = (pl.jlo, pl.alo) if structured else (pl.ib, pl.ia)
-    if pre_hi > pre_lo:
+    if pre_hi > pre_lo and "prefix" in sides:
         prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
             dH, A, Bm, pl.ib, jlo, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=BS, BK=BK,
             STRUCTURED=structured, num_warps=warps)
-    if suf_hi > suf_lo:
+    if suf_hi > suf_lo and "suffix" in sides:
         suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
             dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pl.search_steps, scale,
             jlo, alo, pl.pre_off, pre_lo, pre_hi, ACT=act, BS=BS, BK=BK, STRUCTURED=structured, num_warps=warps)
