@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from ._pairs import _fail
-
 # The device sampler (sample_on_device) draws 53-bit integers: every flat index of a row with at most
 # 2**53 pairs is reachable, and floor(bits * N / 2**53) is computed exactly in int64 (_below).
 _BITS = 53
@@ -117,14 +115,14 @@ def sample_on_device(lengths, prefix_start, min_gap, max_gap, k, generator=None)
     adds one: its seed.)
     """
     if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 1:
-        _fail(ValueError, f"min_gap must be an int >= 1, got {min_gap!r}")
+        raise ValueError(f"min_gap must be an int >= 1, got {min_gap!r}")
     if not isinstance(max_gap, int) or isinstance(max_gap, bool) or max_gap < min_gap:
-        _fail(ValueError, f"max_gap must be an int >= min_gap ({min_gap}), got {max_gap!r}")
+        raise ValueError(f"max_gap must be an int >= min_gap ({min_gap}), got {max_gap!r}")
     dev = lengths.device
     lengths, prefix_start, k = (x.to(device=dev, dtype=torch.int64) for x in (lengths, prefix_start, k))
     B = lengths.numel()
     if not (lengths.shape == prefix_start.shape == k.shape == (B,)):
-        _fail(ValueError, f"lengths, prefix_start and k must be (B,) vectors, got {tuple(lengths.shape)}, "
+        raise ValueError(f"lengths, prefix_start and k must be (B,) vectors, got {tuple(lengths.shape)}, "
                           f"{tuple(prefix_start.shape)} and {tuple(k.shape)}")
     N, shape = _row_shape(lengths, prefix_start, min_gap, max_gap)
     comp = 2 * k > N  # rows that keep the complement of t = |P_r| - k_r drawn indices
@@ -143,9 +141,9 @@ def sample_on_device(lengths, prefix_start, min_gap, max_gap, k, generator=None)
     for (bad, values, what), flag in zip(checks, flags):
         if flag:
             r = int(bad.nonzero()[0])
-            _fail(ValueError, what.format(r=r, v=int(values[r]), n=int(N[r])))
+            raise ValueError(what.format(r=r, v=int(values[r]), n=int(N[r])))
     if total >= 2.0**62:
-        _fail(ValueError, f"the batch has {total:.4g} pairs: sample_on_device keys them in int64, below 2**62")
+        raise ValueError(f"the batch has {total:.4g} pairs: sample_on_device keys them in int64, below 2**62")
     D, E, K = int(D), int(E), int(K)
     # a draw's key, row r's first flat index in the batch plus its value, sorts by (row, value);
     # int32 keys (half a radix sort's passes) while |P| leaves room for the sentinel of rejected draws

@@ -7,6 +7,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _ext  # noqa: F401  (the sampler op, bst_fast::sample_pairs)
+from ._device_sampler import sample_on_device
 
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
 REDUCTIONS = ("mean", "sum", "row_mean")
@@ -371,11 +372,14 @@ def _raise_down(name, ids, down):
 
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
-            next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False) -> Pairs:
+            next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False,
+            device_sampler=False) -> Pairs:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
-    torch.compile they are skipped here and the traced graph has no break."""
+    torch.compile they are skipped here and the traced graph has no break. device_sampler: rows
+    without documents are subsampled by _device_sampler.sample_on_device (Switches.device_sampler,
+    which belief_state_loss passes), else by the C++ sampler."""
     check_f(f)
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
         _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
@@ -513,10 +517,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
     k = torch.minimum(k, counts)
     if bounds is None:
-        # imported here: runtime imports head, which imports this module (as _device_sampler does)
-        from ._device_sampler import sample_on_device
-        from .backends import runtime
-        sampler = sample_on_device if runtime.SWITCHES.device_sampler else sample_pairs
+        sampler = sample_on_device if device_sampler else sample_pairs
         row, i, j = sampler(lengths, prefix_start, min_gap, gmax, k, generator)
     else:
         row, i, j = sample_listed(Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), **common), L, k, generator)

@@ -8,7 +8,7 @@ from torch import nn
 
 from . import _pairs
 from ._pairs import separated_documents  # noqa: F401  (public: the official packed layout's documents)
-from .backends import NAMES, pick
+from .backends import NAMES, pick, runtime
 from .backends.runtime import LossOptions
 
 BACKENDS = ("auto",) + NAMES
@@ -93,7 +93,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     V = _vocab_size(head, f.shape[-1], f.device, f.dtype)
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
-                       generator=generator, meet_token=meet_token, documents=documents, op_checks=chosen.FUSED)
+                       generator=generator, meet_token=meet_token, documents=documents, op_checks=chosen.FUSED,
+                       device_sampler=runtime.SWITCHES.device_sampler)
     tokens = tokens.long()
     if not chosen.FUSED:
         return chosen.run(f, b, tokens, head, p, LossOptions(next_weight=next_weight, vocab_size=V))
