@@ -176,6 +176,7 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "levers.json").read_text())
+    assert result["failed"] == {}  # a setting that raised or differed would be named here, untimed
     names = [r["name"] for r in result["rows"]] + result["skipped"]
     assert names[0] == "default" and set(names) == {"default", "bias_in_gemm", "vocab_pad=128", "pairs=0.02",
                                                     "pairs=0.02 device_sampler"}
