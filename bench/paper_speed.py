@@ -449,11 +449,10 @@ def fmt(v, spec=".3g", none="-"):
 
 
 def _levers_line(switches: Dict[str, Any]) -> str:
-    """The speed levers (docs/backends.md) on in this run, named; none is the default."""
+    """The runtime switches (docs/backends.md) this run changed from their defaults, named."""
     default = dataclasses.asdict(runtime.Switches())
-    on = [f"{k}={v}" for k, v in switches.items() if k in ("bias_in_gemm", "ce_bias_sums", "vocab_pad", "structured_sums", "device_sampler")
-          and v != default[k]]
-    return f" Levers on: `{' '.join(on)}`." if on else ""
+    on = [f"{k}={v}" for k, v in switches.items() if v != default[k]]
+    return f" Switches changed: `{' '.join(on)}`." if on else ""
 
 
 def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:

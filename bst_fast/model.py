@@ -223,10 +223,6 @@ def _gather_back(states, idx):
     return states.gather(1, idx[..., None].expand_as(states))
 
 
-# Shared encoders: BeliefStateTransformer.forward runs both directions in one encoder call
-# (tests set it False for the two-call reference; not a setting).
-_BATCH_SHARED = True
-
 
 def document_sides(documents):
     """(prefix_ids, suffix_ids) of belief_state_loss's `documents` (docs/contract.md §10): one
@@ -316,7 +312,7 @@ class BeliefStateTransformer(nn.Module):
         """(f, b) of a batch forward has checked. Shared encoders: one encoder call over 2B rows,
         the tokens (segment 0) stacked on their reversals (segment 1), so that each layer runs one
         set of kernels with twice the rows (the same f and b as prefix_states and _suffix_states)."""
-        if self.suffix_constant is not None or self.backward_encoder is not None or not _BATCH_SHARED:
+        if self.suffix_constant is not None or self.backward_encoder is not None:
             return self.prefix_states(tokens, documents), self._suffix_states(tokens, lengths, documents)
         B = tokens.shape[0]
         rev, idx, rev_docs = _suffix_input(tokens, lengths, documents)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import bst_fast
-from bst_fast import model as model_mod
 from bst_fast.loss import belief_state_loss
 from bst_fast.model import BeliefStateTransformer, ModelConfig, next_token_loss
 
@@ -108,20 +107,6 @@ def test_batched_forward_equals_the_two_calls(case, layout):
     assert set(got_grads) == set(want_grads) and "forward_encoder.seg.weight" in got_grads
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
-
-
-def test_the_switch_gives_the_two_calls(monkeypatch):
-    """model._BATCH_SHARED = False (tests only) runs forward's encoders as two calls, same losses."""
-    model = _model(gpt=True)
-    tokens, lengths, documents = _batch("separated")
-    calls = []
-    model.forward_encoder.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
-    batched = model(tokens, lengths, documents=documents, gamma=0.5)
-    monkeypatch.setattr(model_mod, "_BATCH_SHARED", False)
-    two = model(tokens, lengths, documents=documents, gamma=0.5)
-    assert calls == [8, 4, 4]
-    for key in ("belief", "gpt", "total"):
-        torch.testing.assert_close(batched[key], two[key], **TOL)
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -90,7 +90,7 @@ class Switches:
     # sums of the gradient as partial rows: the last layer's bias gradient without a column sum over
     # the (n, 2V) gradient (V <= 4096), BST_FAST_CE_BIAS_SUMS=1. Off until timed by `levers`.
     ce_bias_sums: bool = False
-    # Subsampled pairs of rows without documents drawn on the tensors' device (_pairs.sample_on_device)
+    # Subsampled pairs of rows without documents drawn on the tensors' device (_device_sampler.sample_on_device)
     # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off until bench/gpu.sh
     # has timed it against the C++ sampler on a GPU.
     device_sampler: bool = False

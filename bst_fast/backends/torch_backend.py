@@ -50,7 +50,7 @@ from ..head import PairParts, concat_parts, swiglu
 from . import runtime
 from .pair_loss_op import no_double_backward
 from .runtime import LossOptions, Switches, on_device
-from .torch_chunks import engine
+from .torch_chunks import TritonOps, engine
 
 NAME = "torch"
 FUSED = False
@@ -176,10 +176,11 @@ class _ChunkedLoss(torch.autograd.Function):
         fused = switches.fused_swiglu
         per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize // (2 if k in swiglu_parts and fused else 1)
                                              for k, (P, d) in enumerate(zip(prefix, dtypes)))
+        Ops = engine(dev, acc, switches.triton_ops)
+        # the structured walk is the Triton engine's (its segment kernels); the torch ops take none
         pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
-                       structured=switches.structured_sums)
-        ops = engine(dev, acc, switches.triton_ops)(prefix, suffix, dtypes, swiglu_parts, pl, grads, tokens,
-                                                    call.options.next_weight)
+                       structured=switches.structured_sums and Ops is TritonOps)
+        ops = Ops(prefix, suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight)
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16

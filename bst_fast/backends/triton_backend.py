@@ -9,7 +9,7 @@ bytes of the compute dtype, h the hidden widths (h1 first, hL last) and V the vo
     Z = H_L W_L^T + c_L   (n, 2V)         cuBLAS                    2*n*hL*2V FLOPs
     loss, Z <- dz in place                pair_cross_entropy_kernel  read + write n*2V*es
     dc_L += colsum(dz)                    torch (float32 sum)        read n*2V*es (none under
-                                                                     bias_in_gemm, below)
+                                                                     bias_in_gemm or ce_bias_sums)
     dW_L += dz^T H_L   (float32 output)   cuBLAS                    2*n*hL*2V FLOPs
     dH_L = dz W_L                         cuBLAS                    2*n*hL*2V FLOPs
     hidden layers back (dZ_k, dW_k, dc_k, dH_{k-1}), as above
@@ -128,7 +128,8 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     # Under ce_bias_sums the cross-entropy also writes the last layer's bias gradient, as partial
     # column sums of R rows each (pair_cross_entropy_rows_), where a half fits one block
     rows_ce = runtime.SWITCHES.ce_bias_sums and cfg["rows_BV"] <= CE_ROWS_MAX_V
-    dc_part = torch.empty(triton.cdiv(loss_rows.numel(), cfg["ce_rows"]) if need else 1, 2 * V, **f32) if rows_ce else None
+    width_L = weights[-1].shape[0]  # 2V, or 2Vp padded: the partial rows are laid out as the logits
+    dc_part = torch.zeros(triton.cdiv(loss_rows.numel(), cfg["ce_rows"]) if need else 1, width_L, **f32) if rows_ce else None
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
@@ -153,18 +154,14 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
         for k in range(len(weights) - 1, -1, -1):
             if k < len(weights) - 1:
                 dH = activation_grad(act_name, dH, Zs[k])  # dZ of hidden layer k + 2
-            if k == len(weights) - 1 and last_dc is not None:  # the cross-entropy's partial sums
-                sums, Vp = last_dc.sum(0), dc[k].shape[0] // 2  # the halves' V columns (of Vp, padded)
-                dc[k][:V] += sums[:V]
-                dc[k][Vp : Vp + V] += sums[V:]
-                dW[k] += _mm_f32(dH.t(), Hs[k])
-            elif ones:
+            made = last_dc if k == len(weights) - 1 else None  # the cross-entropy's partial sums of dc_L
+            if ones and made is None:
                 width = Hs[k].shape[1]
                 g = _mm_f32(dH.t(), ones[k][:n])
                 dW[k] += g[:, :width]
                 dc[k] += g[:, width]
             else:
-                dc[k] += dH.sum(0, dtype=torch.float32)
+                dc[k] += dH.sum(0, dtype=torch.float32) if made is None else made.sum(0)
                 dW[k] += _mm_f32(dH.t(), Hs[k])
             dH = dH @ weights[k]
         del Z, Zs, Hs

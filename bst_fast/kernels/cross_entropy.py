@@ -105,7 +105,8 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, ldz, hof
 def pair_cross_entropy_rows_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n, V, ldz, hoff, lam, gscale,
                                    meet, R: tl.constexpr, NEED_GRAD: tl.constexpr, BV: tl.constexpr,
                                    UP: tl.constexpr, MEET: tl.constexpr):
-    # Rows pid * R .. pid * R + R - 1 (those < n); dc_part[pid] <- the column sums of their gradient.
+    # Rows pid * R .. pid * R + R - 1 (those < n); dc_part[pid] <- the column sums of their gradient,
+    # laid out as a row of Z (2 * hoff wide: a padded vocabulary's columns are left alone).
     pid = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BV)
     cm = col < V
@@ -142,20 +143,28 @@ def pair_cross_entropy_rows_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s
                     acc1 += d
         tl.store(loss + rs, total, mask=live)
     if NEED_GRAD:
-        tl.store(dc_part + pid * 2 * V + col, acc0, mask=cm)
-        tl.store(dc_part + pid * 2 * V + V + col, acc1, mask=cm)
+        tl.store(dc_part + pid * 2 * hoff + col, acc0, mask=cm)
+        tl.store(dc_part + pid * 2 * hoff + hoff + col, acc1, mask=cm)
+
+
+def _halves(name, Z, V):
+    """(n, hoff, V) of a chunk's logits Z: rows of two halves hoff apart, V real logits each (None: hoff)."""
+    n, hoff = Z.shape[0], Z.shape[1] // 2
+    V = hoff if V is None else V
+    if Z.stride(1) != 1 or not 0 < V <= hoff:
+        raise ValueError(f"{name}: Z {tuple(Z.shape)} with strides {Z.stride()} does not hold two halves of "
+                         f"V = {V} logits")
+    return n, hoff, V
 
 
 def pair_cross_entropy_rows_(Z, tok, pl, s0, lam, gscale, need, loss_rows, dc_part, cfg, up, V=None):
     """pair_cross_entropy_ by the rows kernel (V <= cfg's rows_BV): also, with need, the column sums
     of the gradient written into Z, in float32 partial rows dc_part[:programs] (returned) of a
-    (>= ceil(n / R), 2V) buffer (without need, (1, 2V): not written); their sum over rows is the
-    last layer's bias gradient."""
-    n, hoff = Z.shape[0], Z.shape[1] // 2
-    V = hoff if V is None else V
+    zeroed (>= ceil(n / R), Z.shape[1]) buffer (without need, (1, Z.shape[1]): not written); their
+    sum over rows is the last layer's bias gradient (zero in a padded vocabulary's columns)."""
+    n, hoff, V = _halves("pair_cross_entropy_rows_", Z, V)
     R, BV = cfg["ce_rows"], cfg["rows_BV"]
-    if (Z.stride(1) != 1 or not 0 < V <= min(hoff, BV) or dc_part.shape[1] != 2 * V
-            or need and dc_part.shape[0] * R < n):
+    if V > BV or dc_part.shape[1] != 2 * hoff or need and dc_part.shape[0] * R < n:
         raise ValueError(f"pair_cross_entropy_rows_: Z {tuple(Z.shape)} / {Z.stride()}, V {V}, BV {BV}, "
                          f"dc_part {tuple(dc_part.shape)} do not fit {n} rows of {R}")
     programs = triton.cdiv(n, R)
@@ -173,11 +182,7 @@ def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V
     With V given, Z is (n, 2Vp), each half padded from V to Vp columns that are left as they are.
     tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes.
     The labels of gap-1 pairs are pl.meet_token (None: the pair set has none)."""
-    n, hoff = Z.shape[0], Z.shape[1] // 2
-    V = hoff if V is None else V
-    if Z.stride(1) != 1 or not 0 < V <= hoff:
-        raise ValueError(f"pair_cross_entropy_: Z {tuple(Z.shape)} with strides {Z.stride()} does not hold "
-                         f"two halves of V = {V} logits")
+    n, hoff, V = _halves("pair_cross_entropy_", Z, V)
     meet = pl.meet_token
     pair_cross_entropy_kernel[(n,)](
         Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, Z.stride(0), hoff, float(lam), float(gscale),
