@@ -18,14 +18,14 @@
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="paper levers check check-levers packed" timeout 590 bash bench/gpu.sh
+#       STEPS="paper levers segments check check-levers packed" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers segments check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -65,6 +65,10 @@ step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 # the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
+# the TextHead's gelu segment sums alone, one chunk at the pairs-a shape: the listed kernels, then
+# structured_grad_kernel (the structured_sums lever), each over a short sweep of launch shapes
+step 90 segments bash -c "python3 bench/segment_sums.py --parts text-gelu --quick --out $out/$name-segments.json && \
+    python3 bench/segment_sums.py --parts text-gelu --quick --structured --out $out/$name-segments-structured.json"
 # the backends against float64 (what the table ran on). QUICK: without the torch+compile cases
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""

@@ -55,7 +55,8 @@ def main():
     ap.add_argument("--configs", nargs="+", default=None, metavar="BSxBKxWARPS",
                     help="time these configs (e.g. 16x128x4) after the old one and the default, no sweep")
     ap.add_argument("--structured", action="store_true",
-                    help="the structured walk (Switches.structured_sums: PairList.jlo / alo) at every config")
+                    help="structured_grad_kernel (Switches.structured_sums: PairList.jlo / alo) at every config, "
+                         "BS x BK x WARPS its block_BO x block_BK x block_warps")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,7 +111,9 @@ def main():
         # the old config, the default, then block shapes at 2 warps, then the three fastest with 1
         # and 4 warps (each config compiles anew: well under a second each on the GPU machine)
         shapes = [(16, 64), (32, 32)] if args.quick else list(itertools.product((16, 32, 64, 128), (32, 64, 128)))
-        sweep = [old[kind], (base["BS"], base["seg_BK"], base["seg_warps"])]
+        default = ((base["block_BO"], base["block_BK"], base["block_warps"]) if args.structured
+                   else (base["BS"], base["seg_BK"], base["seg_warps"]))
+        sweep = [old[kind], default]
         if args.configs:
             sweep += [tuple(int(x) for x in c.split("x")) for c in args.configs]
         else:
@@ -119,7 +122,7 @@ def main():
         sweep = list(dict.fromkeys((BS, min(BK, base["BK"]), w) for BS, BK, w in sweep))
         first = len(sweep) + 1 if args.configs else len(sweep)  # explicit configs: no second round
         for BS, BK, warps in sweep:  # grows once, after the first round
-            cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps, structured_BS=BS)
+            cfg = dict(base, BS=BS, seg_BK=BK, seg_warps=warps, block_BO=BS, block_BK=BK, block_warps=warps)
             dA = torch.zeros(2 * BL, wide, dtype=torch.float32, device=dev)
             only = {}
             for side in ("prefix", "suffix"):  # one side's kernel at a time (the structured suffix walk

@@ -122,7 +122,7 @@ class TextHead(nn.Module):
         The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
         (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
         that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
-        return split_linear(self.layers[0], zero_padding(f, lengths), zero_padding(b, lengths))
+        return split_linear(self.layers[0], f, b, lengths)
 
     def pair_parts(self, f, b, lengths):
         """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
@@ -135,15 +135,63 @@ class TextHead(nn.Module):
         return f"activation={self.activation!r}"
 
 
-def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor):
+def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: Optional[torch.Tensor] = None):
     """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T),
     with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j]). In float32 (float64 for
-    float64 inputs), autocast or not: the per-pair sum is rounded once, later, by the backend."""
-    dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
-    w, c, m = linear.weight, linear.bias, f.shape[-1]
-    with torch.autocast(f.device.type, enabled=False):
-        return (F.linear(f.to(dtype), w[:, :m].to(dtype), None if c is None else c.to(dtype)),
-                F.linear(b.to(dtype), w[:, m:].to(dtype)))
+    float64 inputs), autocast or not: the per-pair sum is rounded once, later, by the backend.
+    With `lengths`, f and b are zeroed at positions >= lengths first (zero_padding)."""
+    m = f.shape[-1]
+    return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """split_linear with its own backward, for memory: autograd through `F.linear(f.float(), ..)`
+    keeps the float32 (zero-padded) copies of f and b from the forward to the backward, 8 bytes a
+    position and model unit for bf16 states (the step's largest saved tensors after the encoders').
+    This keeps f and b as given (often held anyway) and makes the padded float32 copies again in
+    the backward, one side at a time. The same products in the same order: the same values."""
+
+    @staticmethod
+    def forward(ctx, f, b, lengths, wf, wb, c):
+        ctx.save_for_backward(f, b, lengths, wf, wb)
+        ctx.bias_dtype = None if c is None else c.dtype
+        dtype = _table_dtype(f)
+        with torch.autocast(f.device.type, enabled=False):
+            A = F.linear(_float_input(f, lengths, dtype), wf.to(dtype), None if c is None else c.to(dtype))
+            return A, F.linear(_float_input(b, lengths, dtype), wb.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dA, dB):
+        f, b, lengths, wf, wb = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with torch.autocast(f.device.type, enabled=False):
+            df, dwf = _side_grads(f, dA, wf, lengths, need[0], need[3])
+            db, dwb = _side_grads(b, dB, wb, lengths, need[1], need[4])
+            dc = dA.reshape(-1, dA.shape[-1]).sum(0).to(ctx.bias_dtype) if need[5] else None
+        return df, db, None, dwf, dwb, dc
+
+
+def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool):
+    """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w) in float32
+    (float64): dx zero at padding (as zero_padding's gradient is), in x's dtype; dw in w's."""
+    dtype = _table_dtype(x)
+    d2 = dz.reshape(-1, dz.shape[-1])
+    dx = _zero_padding(d2.mm(w.to(dtype)).view(x.shape), lengths).to(x.dtype) if need_x else None
+    dw = d2.t().mm(_float_input(x, lengths, dtype).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None
+    return dx, dw
+
+
+def _table_dtype(f: torch.Tensor) -> torch.dtype:
+    return torch.float64 if f.dtype == torch.float64 else torch.float32
+
+
+def _float_input(x, lengths, dtype):
+    """x zeroed at padding (when lengths is given) in `dtype`."""
+    return _zero_padding(x, lengths).to(dtype)
+
+
+def _zero_padding(x, lengths):
+    return x if lengths is None else zero_padding(x, lengths)
 
 
 def linear_dtype(linear: nn.Linear, device_type: str) -> torch.dtype:
@@ -273,11 +321,10 @@ class ResidualSwiGLUHead(nn.Module):
         dtype, and the gate_up part (f Wf^T + c and b Wb^T, [gate | up]) in float32, a swiglu part:
         per pair the backend forms silu(gate) * up from the float32 sums and rounds it once; then
         Down, the norm and lm_head (see the module docstring)."""
-        f, b = zero_padding(f, lengths), zero_padding(b, lengths)
         # float32 (float64 for float64) tables: two bf16 parts rounded apart and then added miss
         # docs/contract.md §6's bound (2x the materialised error) on some gradients.
-        gf, gb = split_linear(self.mlp[0].gate_up, f, b)
-        xf, xb = concat_parts(f, b)
+        gf, gb = split_linear(self.mlp[0].gate_up, f, b, lengths)
+        xf, xb = concat_parts(zero_padding(f, lengths), zero_padding(b, lengths))
         return PairParts([xf, gf], [xb, gb], [f.dtype, linear_dtype(self.mlp[0].gate_up, f.device.type)],
                          lambda xs: self._after_swiglu(*xs), swiglu=(1,))
 

@@ -53,14 +53,16 @@ def test_gpu_check_refuses_an_unknown_backend():
 def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
     """bench/segment_sums.py times the segment kernels under several launch shapes and checks each
     against the first: every shape must give the same sums (up to float32 reassociation)."""
-    out = tmp_path / "seg.json"
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "segment_sums.py"), "--batch", "2", "--T", "9",
-                          "--d-model", "8", "--vocab", "5", "--reps", "1", "--parts", "swiglu", "text-sum",
-                          "--configs", "2x8x1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    def segment_sums(*args):
+        out = tmp_path / "seg.json"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "segment_sums.py"), "--batch", "2", "--T", "9",
+                              "--d-model", "8", "--vocab", "5", "--reps", "1", "--configs", "2x8x1", "--out", str(out),
+                              *args], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(out.read_text())["rows"]
+
+    rows = segment_sums("--parts", "swiglu", "text-sum")
     assert {r["part"] for r in rows} == {"swiglu", "text-sum"}
     # swiglu: the old shape, the default, the one asked for; text-sum (8 wide): the old shape's
     # block clipped to the rows is the default's, timed once
@@ -68,6 +70,9 @@ def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
         mine = [r for r in rows if r["part"] == part]
         assert len(mine) == n and (mine[-1]["BS"], mine[-1]["BK"], mine[-1]["warps"]) == (2, 8, 1)
         assert all(r["prefix_ms"] > 0 and r["suffix_ms"] > 0 and r["rel_err_vs_first"] < 1e-5 for r in mine), mine
+    # --structured: structured_grad_kernel under its block shapes, each against the first
+    rows = segment_sums("--parts", "text-gelu", "--structured")
+    assert len(rows) >= 2 and all(r["walk"] == "structured" and r["rel_err_vs_first"] < 1e-5 for r in rows), rows
 
 
 def test_segment_configs_refuses_an_unknown_name_and_passes_the_rest_to_pairs_py():

@@ -863,3 +863,59 @@ def test_float16_tiny_pair_weights_keep_their_digits(monkeypatch):
     f, b, tokens, head = make_inputs(B=1, L=9, m=5, V=13, seed=10)
     loss_err, grad_errs = tiny_weight_float16_errors(torch_backend.run, f, b, tokens, head, 13, scale=2e-6)
     assert loss_err < 1e-2 and max(grad_errs) < 2e-2, grad_errs
+
+
+def _split_linear_by_autograd(linear, f, b, lengths):
+    """split_linear as autograd would run it through F.linear of float32 copies (the definition the
+    custom backward must equal)."""
+    f, b = [torch.where((torch.arange(x.shape[1])[None, :] >= lengths[:, None])[..., None], 0, x) for x in (f, b)]
+    dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
+    m = f.shape[-1]
+    return (F.linear(f.to(dtype), linear.weight[:, :m].to(dtype), None if linear.bias is None else linear.bias.to(dtype)),
+            F.linear(b.to(dtype), linear.weight[:, m:].to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_linear_backward_and_what_it_keeps(dtype, bias):
+    """split_linear's own backward gives the values of autograd through F.linear of the padded float32
+    copies, bitwise, with NaN at padding kept out of every gradient; and it keeps f and b themselves
+    for the backward, no float32 copy of either (8 bytes a unit for bf16 states)."""
+    g = torch.Generator().manual_seed(81)
+    lin = nn.Linear(14, 9, bias=bias).to(dtype)
+    f, b = [torch.randn(3, 5, 7, generator=g).to(dtype).requires_grad_() for _ in range(2)]
+    with torch.no_grad():
+        f[1, 3:] = float("nan")
+        b[2] = float("inf")
+    lengths = torch.tensor([5, 3, 0])
+    dA, dB = torch.randn(3, 5, 9, generator=g), torch.randn(3, 5, 9, generator=g)
+    results = []
+    for fn in (_split_linear_by_autograd, split_linear):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            A, B = fn(lin, f, b, lengths)
+        grads = torch.autograd.grad((A * dA.to(A.dtype)).sum() + (B * dB.to(B.dtype)).sum(), [f, b, *lin.parameters()])
+        results.append(([A, B, *grads], saved))
+    (want, _), (got, saved) = results
+    for w, x in zip(want, got):
+        assert torch.equal(w, x)
+    assert all(torch.isfinite(x).all() for x in got[2:])
+    big = [t for t in saved if t.numel() == f.numel()]
+    assert {t.data_ptr() for t in big} == {f.data_ptr(), b.data_ptr()} and all(t.dtype == dtype for t in big)
+
+
+def test_split_linear_second_derivative():
+    """The custom backward is itself differentiable (gradgradcheck in float64), with and without lengths."""
+    lin = nn.Linear(6, 4).double()
+    f, b = [torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    for lengths in (torch.tensor([3, 1]), None):
+        fn = lambda f, b, w, c: split_linear(_Fixed(w, c), f, b, lengths)
+        assert torch.autograd.gradcheck(fn, (f, b, lin.weight, lin.bias))
+        assert torch.autograd.gradgradcheck(fn, (f, b, lin.weight, lin.bias))
+
+
+class _Fixed:
+    """A stand-in Linear whose weight and bias are the given tensors (for gradcheck)."""
+
+    def __init__(self, weight, bias):
+        self.weight, self.bias = weight, bias

@@ -426,25 +426,72 @@ def test_segment_sums_past_two_to_the_31_slots():
     """A chunk whose slots straddle 2**31 (the int64 index path): s0 + n must not wrap as an i32.
     The segment kernels launched by hand on one prefix segment [s0, s0 + 4) and one suffix."""
     from bst_fast.kernels.activation import NO_ACT
-    from bst_fast.kernels.pair_hidden import prefix_grad_kernel, suffix_grad_kernel
+    from bst_fast.kernels.pair_hidden import prefix_grad_kernel, structured_grad_kernel
 
     h = n = 4
     s0 = 2**31 - 2
     dH = torch.arange(1.0, 1 + n * h).reshape(n, h)
     A = Bm = torch.zeros(8, h)
-    seg_off = torch.tensor([s0, s0 + n, s0 + n])  # prefix 0 holds slots s0 .. s0 + 3
-    jlo, one = torch.tensor([3, 0]), torch.zeros(1, dtype=torch.int64)
-    for structured in (False, True):
-        dA = torch.zeros(8, h)
-        prefix_grad_kernel[(1, 1)](dH, A, Bm, torch.tensor([3, 4, 5, 6]) if not structured else one, jlo, seg_off,
-                                   0, dA, s0, n, h, h, 1.0, ACT=NO_ACT.value, BS=4, BK=4, STRUCTURED=structured)
-        assert torch.equal(dA[0], dH.sum(0)), structured
-    # suffix 3 meets prefix 0 at slot pre_off[0] + 3 - jlo[0] = s0
-    dB = torch.zeros(8, h)
-    suffix_grad_kernel[(1, 1)](dH, A, Bm, one, one, torch.tensor([0, 0, 0, 0, 1]), 3, dB, s0, n, h, h, 1, 1.0,
-                               jlo, torch.zeros(4, dtype=torch.int64), seg_off, 0, 1, ACT=NO_ACT.value, BS=4, BK=4,
-                               STRUCTURED=True)
-    assert torch.equal(dB[3], dH[0])
+    pre_off = torch.tensor([s0, s0 + n] + [s0 + n] * 7)  # prefix 0 holds slots s0 .. s0 + 3: suffixes 3 .. 6
+    dA = torch.zeros(8, h)
+    prefix_grad_kernel[(1, 1)](dH, A, Bm, torch.tensor([3, 4, 5, 6]), pre_off, 0, dA, s0, n, h, h, 1.0,
+                               ACT=NO_ACT.value, BS=4, BK=4)
+    assert torch.equal(dA[0], dH.sum(0))
+    jlo, alo = torch.tensor([3] + [0] * 7), torch.zeros(8, dtype=torch.int64)
+    suf_off = torch.tensor([0, 0, 0, 0, 1, 2, 3, 4, 4])  # suffixes 3 .. 6 meet prefix 0 only
+    for side, own, want in ((0, (0, 1), dA[:1]), (1, (3, 7), dH)):
+        out = torch.zeros(8, h)
+        structured_grad_kernel[(2, 1, 1)](dH, A, Bm, pre_off, jlo, alo, suf_off, out, out, s0, n, h, h, *own, 0, 1,
+                                          4, 1.0, SIDE=side, ACT=NO_ACT.value, BO=4, BK=4, PIECES=1)
+        assert torch.equal(out[own[0] : own[1]], want), side
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu", "sum"])
+@pytest.mark.parametrize("pieces", ["one", "many"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_structured_grad_kernel(kind, pieces, documents, monkeypatch):
+    """structured_grad_kernel, both sides, against float64 index_add of dH * act'(A_ia + B_ib) (SWIGLU:
+    both halves' gradients; "sum": dH alone): ragged rows, prefix_start, gaps, packed documents,
+    chunks that cut rows and runs anywhere, blocks that straddle rows, each walk whole or in pieces."""
+    from bst_fast.backends.launch import gather_config
+    from bst_fast.head import activation_grad, swiglu_grad
+    from bst_fast.kernels.activation import ACT, NO_ACT, SWIGLU
+    from bst_fast.kernels import pair_hidden
+
+    B, L, h = 3, 13, 5
+    g = torch.Generator().manual_seed(29)
+    tokens = torch.randint(1, 5, (B, L), generator=g)
+    tokens[0, 5] = tokens[2, 3] = tokens[2, 8] = 0
+    docs = _pairs.separated_documents(tokens, 0) if documents else None
+    wide = 2 * h if kind == "swiglu" else h
+    A, Bm = (torch.randn(B * L, wide, generator=g) for _ in range(2))
+    act = {"swiglu": SWIGLU.value, "sum": NO_ACT.value}.get(kind, ACT.get(kind))
+    cfg = dict(gather_config("cpu", h, {"swiglu": "swiglu", "sum": "sum"}.get(kind, "act")),
+               block_programs=1 if pieces == "one" else 10**6)
+    seen = set()  # the pieces each launch cut its walks into
+    real = pair_hidden.walk_pieces
+    monkeypatch.setattr(pair_hidden, "walk_pieces", lambda *a: seen.add(real(*a)) or real(*a))
+    for min_gap, max_gap, chunk in ((1, None, 5), (2, 7, 17), (3, None, 1000)):
+        p = _pairs.prepare(torch.zeros(B, L, 2), torch.zeros(B, L, 2), tokens, 5, lengths=torch.tensor([13, 9, 12]),
+                           prefix_start=torch.tensor([0, 2, 1]), min_gap=min_gap, max_gap=max_gap, pairs=None,
+                           next_weight=0.5, reduction="mean", generator=None, documents=docs,
+                           meet_token=0 if min_gap == 1 else None)
+        pl = _pairs.pair_list(p, B, L, chunk=chunk, structured=True)
+        ia, ib = pl.ia.long(), pl.ib.long()
+        dH = torch.randn(ia.numel(), h, generator=g)
+        z = A.double()[ia] + Bm.double()[ib]
+        if kind == "swiglu":
+            d = torch.cat(swiglu_grad(dH.double(), z[:, :h], z[:, h:]), 1)
+        else:
+            d = dH.double() if kind == "sum" else activation_grad(kind, dH.double(), z)
+        want_a = torch.zeros(B * L, wide, dtype=torch.float64).index_add_(0, ia, d)
+        want_b = torch.zeros(B * L, wide, dtype=torch.float64).index_add_(0, ib, d)
+        dA, dB = torch.zeros(B * L, wide), torch.zeros(B * L, wide)
+        for c in pl.chunks:
+            pair_hidden.segment_grads(dH[c.s0 : c.s0 + c.n].contiguous(), A, Bm, pl, c, dA, dB, act, 0.5, cfg)
+        for got, want in ((dA, want_a), (dB, want_b)):
+            assert (got.double() - 0.5 * want).abs().max() <= 1e-5 * want.abs().max()
+    assert seen == {1} if pieces == "one" else seen and 1 not in seen
 
 
 def test_auto_and_errors():
@@ -491,7 +538,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, suffix_grad_kernel
+from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, structured_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel, pair_cross_entropy_rows_kernel
 from bst_fast.backends.launch import CE_ROWS_MAX_V, chunk_config, gather_config
 from bst_fast.backends.runtime import SWITCHES
@@ -502,9 +549,10 @@ try:
     ptxas = get_ptxas(90).path
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
-INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet"}  # the rest are pointers or floats
+INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet",
+        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "jlo": "*i32", "alo": "*i32", "tok": "*i64", "seg_off": "*i64",
-         "pre_off": "*i64"}
+         "pre_off": "*i64", "suf_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
 for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
     # the triton backend's launch configs at three shapes, then the torch backend's pair sums
@@ -514,10 +562,10 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
         cfg = chunk_config("cuda", V or 1000, widths, dtype, SWITCHES)
         if V > 0:
             launches = ((pair_hidden_kernel, dict(ACT=2, BM=cfg["BM"], BK=cfg["BK"], UP=False), cfg["hidden_warps"], "*fp32"),
-                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"], STRUCTURED=False), cfg["seg_warps"], "*fp32"),
-                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"], STRUCTURED=False), cfg["seg_warps"], "*fp32"),
-                        (prefix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
-                        (suffix_grad_kernel, dict(ACT=2, BS=cfg["structured_BS"], BK=cfg["seg_BK"], STRUCTURED=True), cfg["seg_warps"], "*fp32"),
+                        (prefix_grad_kernel, dict(ACT=3, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
+                        (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
+                        *[(structured_grad_kernel, dict(SIDE=side, ACT=2, BO=cfg["block_BO"], BK=cfg["block_BK"], PIECES=pieces),
+                           cfg["block_warps"], "*fp32") for side, pieces in ((0, 1), (1, 8))],
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=False), cfg["ce_warps"], "*fp32"),
                         (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"),
                         (pair_cross_entropy_rows_kernel, dict(R=cfg["ce_rows"], NEED_GRAD=True, BV=cfg["rows_BV"], UP=False, MEET=True),
@@ -528,10 +576,10 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)
             launches = ((pair_hidden_kernel, dict(ACT=a, BM=g["BM"], BK=g["BK"], UP=False), g["hidden_warps"], table),
-                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"], STRUCTURED=False), g["seg_warps"], table),
-                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"], STRUCTURED=False), g["seg_warps"], table),
-                        (prefix_grad_kernel, dict(ACT=a, BS=g["structured_BS"], BK=g["seg_BK"], STRUCTURED=True), g["seg_warps"], table),
-                        (suffix_grad_kernel, dict(ACT=a, BS=g["structured_BS"], BK=g["seg_BK"], STRUCTURED=True), g["seg_warps"], table))
+                        (prefix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table),
+                        (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table),
+                        *[(structured_grad_kernel, dict(SIDE=side, ACT=a, BO=g["block_BO"], BK=g["block_BK"], PIECES=pieces),
+                           g["block_warps"], table) for side, pieces in ((1, 1), (0, 8))])
         for fn, consts, warps, table in launches:
             sig = {}
             for name in inspect.signature(fn.fn).parameters:
@@ -551,7 +599,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep)]
             assert regs and spills, rep
             assert max(spills) == 0, (fn.fn.__name__, dt, V, rep)
-            print(fn.fn.__name__, dt, V, widths, consts.get("ACT", ""), "structured" if consts.get("STRUCTURED") else "",
+            print(fn.fn.__name__, dt, V, widths, consts.get("ACT", ""), consts.get("SIDE", ""), consts.get("PIECES", ""),
                   "registers", max(regs))
 print("compiled")
 '''

@@ -44,7 +44,9 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
     "swiglu": outputs `width` wide). `kind` is what the segment sums read per slot besides dH:
     "sum" nothing (NO_ACT), "act" the other side's row (an activation's z), "swiglu" its two
     halves. BM, BK, hidden_warps shape the forward gather; BS, seg_BK, seg_warps the segment sums
-    (structured_BS their rows a step in the structured walk)."""
+    of a listed pair list; block_* structured_grad_kernel's (a structured list: block_BO own
+    positions by block_BK units a program, the walk cut into pieces for about block_programs
+    programs, each piece at least block_min_steps long)."""
     if kind not in SEGMENT_KINDS:
         raise ValueError(f"kind must be one of {SEGMENT_KINDS}, got {kind!r}")
     if device_type == "cuda":
@@ -57,12 +59,17 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
         # resident and more rows a loop step pay, so "act" and "swiglu" run 32 x 64 on 2 warps.
         # Plain sums keep 16 x 128 on 4 warps: the objectives that use them measured faster so.
         seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
-        # The structured walk (PairList.jlo) keeps more addresses live: "swiglu" at 32 rows spills
-        # (255 registers, ptxas sm_90), at 16 it takes 140-188 and none. Not timed yet.
-        structured = 16 if kind == "swiglu" else seg[0]
+        # The structured kernel holds its own rows' z (and SWIGLU's up half) and the sums in
+        # registers, BO x BK each: 16 elements a thread per table on 4 warps, SWIGLU's four tables
+        # at BO = 16. Its walk has no dependent loads but the suffix side's two scalars, so a
+        # program streams BO rows of dH a step; ~1024 programs (8 resident a 132-SM H100's SM) is
+        # a wave. Not timed yet (bench/levers.py, bench/segment_sums.py --structured).
         return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
                     BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2],
-                    structured_BS=structured)
-    # the interpreter: small blocks that still exercise every loop
+                    block_BO=16 if kind == "swiglu" else 32, block_BK=min(64, triton.next_power_of_2(width)),
+                    block_warps=4, block_programs=1024, block_min_steps=16)
+    # the interpreter: small blocks that still exercise every loop, and walks in pieces
     return dict(BM=16, BK=min(16, triton.next_power_of_2(width)), hidden_warps=4,
-                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4, structured_BS=4)
+                BS=4, seg_BK=min(16, triton.next_power_of_2(width)), seg_warps=4,
+                block_BO=4, block_BK=min(16, triton.next_power_of_2(width)), block_warps=4, block_programs=64,
+                block_min_steps=2)

@@ -82,9 +82,10 @@ class Switches:
     # multiple of this (0: none), BST_FAST_VOCAB_PAD: V = 1000 fills no 128- or 256-wide GEMM tile,
     # 1024 does. Off until timed by bench/gpu.sh's `levers` step.
     vocab_pad: int = 0
-    # The segment sums of an all-pairs list walk its slots and rows by arithmetic (PairList.jlo, alo)
-    # instead of through ib / perm / ia and a binary search: one level of dependent loads a loop step
-    # instead of two or three, BST_FAST_STRUCTURED_SUMS=1. Off until timed by bench/gpu.sh's `levers`.
+    # The segment sums of an all-pairs list by structured_grad_kernel (PairList.jlo, alo): a program
+    # owns a block of positions and walks the other side by arithmetic, one load of a block of dH
+    # rows a step, instead of a segment a program through ib / perm / ia and a binary search,
+    # BST_FAST_STRUCTURED_SUMS=1. Off until timed by bench/gpu.sh's `levers`.
     structured_sums: bool = False
     # The triton backend's cross-entropy R rows a program, each half read once, writing the column
     # sums of the gradient as partial rows: the last layer's bias gradient without a column sum over
