@@ -18,14 +18,14 @@
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="paper levers segments check check-levers packed" timeout 590 bash bench/gpu.sh
+#       STEPS="paper levers segments gemm check check-levers packed" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers segments check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -69,6 +69,9 @@ step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug
 # structured_grad_kernel (the structured_sums lever), each over a short sweep of launch shapes
 step 90 segments bash -c "python3 bench/segment_sums.py --parts text-gelu --quick --out $out/$name-segments.json && \
     python3 bench/segment_sums.py --parts text-gelu --quick --structured --out $out/$name-segments-structured.json"
+# the chunk's three GEMM shapes (h = 512 and 768, 2V = 2000 and 2048): cuBLAS against a plain Triton
+# wgmma GEMM, the base a fused gather prologue or cross-entropy epilogue would build on
+step 90 gemm python3 bench/gemm_shapes.py --device cuda --out "$out/$name-gemm.json"
 # the backends against float64 (what the table ran on). QUICK: without the torch+compile cases
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""

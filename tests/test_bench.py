@@ -75,6 +75,29 @@ def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
     assert len(rows) >= 2 and all(r["walk"] == "structured" and r["rel_err_vs_first"] < 1e-5 for r in rows), rows
 
 
+def test_gemm_shapes_bench_checks_its_triton_gemm(tmp_path):
+    """bench/gemm_shapes.py: its Triton GEMM agrees with the float64 product at every config and
+    layout (the interpreter, float16), and compiles for sm_90 to wgmma with no spills."""
+    out = tmp_path / "g.json"
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_shapes.py"), "--device", "cpu", "--tiny",
+                          "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 6 and not result["failed"]
+    assert all(r["triton_ms"] > 0 and r["triton_err"] < 1e-2 for r in result["rows"]), result["rows"]
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        return
+    env.pop("TRITON_INTERPRET")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_shapes.py"), "--compile-only", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads(out.read_text())["compile"]
+    assert len(rows) == 10 and all(r["wgmma"] and r["spills"] == 0 for r in rows), rows
+
+
 def test_segment_configs_refuses_an_unknown_name_and_passes_the_rest_to_pairs_py():
     script = str(ROOT / "bench" / "segment_configs.py")
     run = subprocess.run([sys.executable, script, "olde"], capture_output=True, text=True, timeout=120)
