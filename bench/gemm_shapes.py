@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import triton
 import triton.language as tl
+
+# bench/ is this script's folder, first on the path: pairs.py's timer (importing it puts the
+# project root on the path)
+from pairs import timed
 
 # (BM, BN, BK, warps, stages): the Hopper tile shapes the Triton matmul tutorial and cuBLAS's
 # picks in bench/results/h200-run3's profile (128x272, 192x128, 192x192) suggest
@@ -109,16 +111,8 @@ def cublas_mm(a, b, out_dtype):
 
 
 def timed_ms(fn, device, reps):
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    """Median ms of fn() over reps runs after a warm-up (bench/pairs.py's timer)."""
+    return timed(fn, device, reps)[0] * 1e3
 
 
 def compile_only():
