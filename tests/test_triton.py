@@ -494,6 +494,28 @@ def test_structured_grad_kernel(kind, pieces, documents, monkeypatch):
     assert seen == {1} if pieces == "one" else seen and 1 not in seen
 
 
+def test_pair_kernels_refuse_a_chunk_of_the_wrong_length():
+    """dH (and H) must hold exactly the chunk's n rows: fewer would be read past their end."""
+    from bst_fast.backends.launch import gather_config
+    from bst_fast.kernels.activation import ACT
+    from bst_fast.kernels.pair_hidden import pair_hidden, segment_grads
+
+    B, L, h = 2, 6, 4
+    p = _pairs.prepare(torch.zeros(B, L, 2), torch.zeros(B, L, 2), torch.zeros(B, L, dtype=torch.long), 5, lengths=None,
+                       prefix_start=0, min_gap=2, max_gap=None, pairs=None, next_weight=0.5, reduction="mean",
+                       generator=None)
+    A = torch.zeros(B * L, h)
+    cfg = gather_config("cpu", h, "act")
+    for structured in (False, True):
+        pl = _pairs.pair_list(p, B, L, chunk=6, structured=structured)
+        c = pl.chunks[0]
+        with pytest.raises(ValueError, match=r"segment_grads: dH \(5, 4\) \(contiguous, 6 rows\)"):
+            segment_grads(torch.zeros(c.n - 1, h), A, A, pl, c, torch.zeros(B * L, h), torch.zeros(B * L, h),
+                          ACT["gelu"], 1.0, cfg)
+        with pytest.raises(ValueError, match=r"do not fit H \(5, 4\) \(6 rows\)"):
+            pair_hidden(A, A, pl, c.s0, c.n, torch.zeros(c.n - 1, h), ACT["gelu"], cfg, False)
+
+
 def test_auto_and_errors():
     f, b, tokens, head = _inputs(1, 5, 4, 5)
     assert pick("auto", head, f).NAME == "cpp"  # on the CPU the C++ engine is the fast path

@@ -278,9 +278,9 @@ def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
     interpreted_bf16(H.dtype)."""
     h = H.shape[1]
     if (A.stride(-1) != 1 or Bm.stride() != A.stride() or A.shape[-1] != (2 * h if act == SWIGLU.value else h)
-            or H.stride(-1) != 1 or H.stride(0) < h):
+            or H.shape[0] != n or H.stride(-1) != 1 or H.stride(0) < h):
         raise ValueError(f"pair_hidden: A {tuple(A.shape)} / B {tuple(Bm.shape)} with strides {A.stride()} / "
-                         f"{Bm.stride()} do not fit H {tuple(H.shape)} and act {act}")
+                         f"{Bm.stride()} do not fit H {tuple(H.shape)} ({n} rows) and act {act}")
     pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h, cfg["BK"]))](
         A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), H.stride(0), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
         num_warps=cfg["hidden_warps"])
@@ -297,10 +297,10 @@ def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg, sides=("prefix"
     h, ld = dH.shape[1], dA.stride(-2)
     wide = 2 * h if act == SWIGLU.value else h
     read = act != NO_ACT.value
-    if (not dH.is_contiguous() or dA.stride(-1) != 1 or dB.stride() != dA.stride() or dA.shape[-1] != wide
-            or read and (A.stride() != dA.stride() or Bm.stride() != dA.stride())):
-        raise ValueError(f"segment_grads: dH {tuple(dH.shape)}, dA {tuple(dA.shape)} / {dA.stride()}, dB {dB.stride()}, "
-                         f"A {A.stride()}, B {Bm.stride()} do not fit act {act}")
+    if (not dH.is_contiguous() or dH.shape[0] != n or dA.stride(-1) != 1 or dB.stride() != dA.stride()
+            or dA.shape[-1] != wide or read and (A.stride() != dA.stride() or Bm.stride() != dA.stride())):
+        raise ValueError(f"segment_grads: dH {tuple(dH.shape)} (contiguous, {n} rows), dA {tuple(dA.shape)} / "
+                         f"{dA.stride()}, dB {dB.stride()}, A {A.stride()}, B {Bm.stride()} do not fit act {act}")
     if pl.jlo is not None:
         for side in sides:
             own = (pre_lo, pre_hi) if side == "prefix" else (suf_lo, suf_hi)
