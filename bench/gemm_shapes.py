@@ -19,7 +19,8 @@ GROUP_M tiles along M so that consecutive programs share B's column tiles in L2.
 FLOPs; A read N / BN times and B M / BM times (mostly L2), C written once. No atomics, no split-K.
 It is a measuring stick, not a backend: nothing in bst_fast calls it.
 
-    python bench/gemm_shapes.py --device cuda                    # both shapes, every config
+    python bench/gemm_shapes.py --device cuda                    # both widths, every config
+    python bench/gemm_shapes.py --device cuda --quick            # three configs (gpu.sh's gemm step)
     python bench/gemm_shapes.py --compile-only                   # sm_90 registers, spills, wgmma (no GPU)
     TRITON_INTERPRET=1 python bench/gemm_shapes.py --device cpu --tiny   # correctness only
 """
@@ -39,6 +40,7 @@ from pairs import timed
 # (BM, BN, BK, warps, stages): the Hopper tile shapes the Triton matmul tutorial and cuBLAS's
 # picks in bench/results/h200-run3's profile (128x272, 192x128, 192x192) suggest
 CONFIGS = [(128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
+QUICK = CONFIGS[:3]  # --quick: each layout and output dtype compiles once a config (~1-3 s each)
 
 
 @triton.jit
@@ -167,6 +169,7 @@ def main():
     ap.add_argument("--tiny", action="store_true",
                     help="small shapes in float16 (the interpreter, whose tl.dot of bf16 is wrong: correctness only)")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=f"only the first {len(QUICK)} configs")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     if args.compile_only:
@@ -184,7 +187,7 @@ def main():
     if args.tiny:
         cases, configs = [("tiny", 70, 24, 2 * 13), ("tiny padded", 70, 24, 32)], [(16, 16, 16, 4, 1), (32, 16, 16, 4, 2)]
     else:
-        cases, configs = [], CONFIGS
+        cases, configs = [], QUICK if args.quick else CONFIGS
         for h in (512, 768):  # pairs-a's and the profile's width, V = 1000
             n = chunk_config("cuda", 1000, [h], torch.bfloat16, SWITCHES)["chunk"]
             cases += [(f"h={h}", n, h, 2000), (f"h={h} padded", n, h, 2048)]

@@ -71,7 +71,7 @@ step 90 segments bash -c "python3 bench/segment_sums.py --parts text-gelu --quic
     python3 bench/segment_sums.py --parts text-gelu --quick --structured --out $out/$name-segments-structured.json"
 # the chunk's three GEMM shapes (h = 512 and 768, 2V = 2000 and 2048): cuBLAS against a plain Triton
 # wgmma GEMM, the base a fused gather prologue or cross-entropy epilogue would build on
-step 90 gemm python3 bench/gemm_shapes.py --device cuda --out "$out/$name-gemm.json"
+step 120 gemm python3 bench/gemm_shapes.py --device cuda --quick --out "$out/$name-gemm.json"
 # the backends against float64 (what the table ran on). QUICK: without the torch+compile cases
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
