@@ -61,7 +61,7 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
         seg = (16, 128, 4) if kind == "sum" else (32, 64, 2)
         # The structured kernel holds its own rows' z (and SWIGLU's up half) and the sums in
         # registers, BO x BK each: 16 elements a thread per table on 4 warps, SWIGLU's four tables
-        # at BO = 16. Its walk has no dependent loads but the suffix side's two scalars, so a
+        # at BO = 16. Its walk has no dependent loads but the suffix side's three scalars, so a
         # program streams BO rows of dH a step; ~1024 programs (8 resident a 132-SM H100's SM) is
         # a wave. Not timed yet (bench/levers.py, bench/segment_sums.py --structured).
         return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,

@@ -45,8 +45,8 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   sm_90, Triton 3.9), plain sums 16 x 128 on 4 warps (32-54). The timings behind both:
   docs/backends.md ("Launch shapes").
 - structured_grad_kernel, per program step: BO x BK elements of dH (es bytes each, from HBM) and
-  BK float32 of the other side's row (L2), no index load on the prefix side and two scalars on the
-  suffix side; its own rows' z (and SWIGLU's up) and the sums stay in registers. Per chunk and
+  BK float32 of the other side's row (L2), no index load on the prefix side and three scalars on
+  the suffix side; its own rows' z (and SWIGLU's up) and the sums stay in registers. Per chunk and
   side: n * h * es bytes of dH, (positions / BO) * walk * h * 4 of other-side rows (the listed walk
   reads one a slot: 32x more), and with P > 1 pieces 2 * P * positions * h * 4 of scratch. With
   the divisibility a launch at h = 768 specialises on, 96-126 registers for an activation at
@@ -195,8 +195,9 @@ def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0
     # (blk, kb, piece) owns BO consecutive positions o (a block aligned to BO, inside [own_lo,
     # own_hi)) and BK hidden units, and walks the other side's positions w one at a time: at each
     # step its BO slots are one load of BO rows of dH (suffix side: consecutive rows), the other
-    # side's row is read once for all BO, and the own rows' z halves stay in registers. No index
-    # array but pre_off and jlo (suffix side: one scalar each a step) is read in the walk.
+    # side's row is read once for all BO, and the own rows' z halves stay in registers. The walk
+    # reads no index array on the prefix side, and three scalars a step (pre_off[w], pre_off[w + 1],
+    # jlo[w]) on the suffix side.
     # PIECES > 1 splits each block's walk into that many parts (parallelism when a chunk holds few
     # positions): piece p stores its sums in part[p, o - base] (part_rows rows a piece), summed
     # afterwards in a fixed order; PIECES = 1 adds scale * sums into dOwn. No atomics either way.
