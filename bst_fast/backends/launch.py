@@ -62,8 +62,9 @@ def gather_config(device_type: str, width: int, kind: str) -> dict:
         # The structured kernel holds its own rows' z (and SWIGLU's up half) and the sums in
         # registers, BO x BK each: 16 elements a thread per table on 4 warps, SWIGLU's four tables
         # at BO = 16. Its walk has no dependent loads but the suffix side's three scalars, so a
-        # program streams BO rows of dH a step; ~1024 programs (8 resident a 132-SM H100's SM) is
-        # a wave. Not timed yet (bench/levers.py, bench/segment_sums.py --structured).
+        # program streams BO rows of dH a step. ~1024 programs fill a 132-SM H100 once or twice (4
+        # resident an SM at 96-126 registers, 8 for plain sums), the walks cut into pieces where a
+        # chunk has fewer. Not timed yet (bench/levers.py, bench/segment_sums.py --structured).
         return dict(BM=rows, BK=min(128, triton.next_power_of_2(width)), hidden_warps=4,
                     BS=seg[0], seg_BK=min(seg[1], triton.next_power_of_2(width)), seg_warps=seg[2],
                     block_BO=16 if kind == "swiglu" else 32, block_BK=min(64, triton.next_power_of_2(width)),
