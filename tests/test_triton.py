@@ -467,7 +467,7 @@ def test_structured_grad_kernel(kind, pieces, documents, monkeypatch):
     A, Bm = (torch.randn(B * L, wide, generator=g) for _ in range(2))
     act = {"swiglu": SWIGLU.value, "sum": NO_ACT.value}.get(kind, ACT.get(kind))
     cfg = dict(gather_config("cpu", h, {"swiglu": "swiglu", "sum": "sum"}.get(kind, "act")),
-               block_programs=1 if pieces == "one" else 10**6)
+               block_programs=1 if pieces == "one" else 10**6, block_min_steps=4)  # "many": up to 4 a walk
     seen = set()  # the pieces each launch cut its walks into
     real = pair_hidden.walk_pieces
     monkeypatch.setattr(pair_hidden, "walk_pieces", lambda *a: seen.add(real(*a)) or real(*a))
