@@ -13,9 +13,10 @@ becomes the default. The settings (LEVERS):
   H200's all-pairs step at m=768, run 3's profile; the GEMM grows by 8 / h columns);
 - "vocab_pad=128", "vocab_pad=256": each half of the last layer padded from V to a tile multiple
   (V = 1000 to 1024; 2.4% more GEMM FLOPs, in exchange for full 128 / 256-wide tiles);
-- "structured_sums": the segment sums of an all-pairs list walk slots and rows by arithmetic, no
-  index loads and no binary search (prediction: they were 63 of the 414 ms H200 step, bound by
-  chains of dependent loads; one level a step instead of two or three should about halve them);
+- "structured_sums": the segment sums of an all-pairs list by structured_grad_kernel: a block of
+  positions a program, walking the other side by arithmetic, one load of a block of dH rows a
+  step, no index chains and no binary search (prediction: the listed sums were 63 of the 414 ms
+  H200 step, bound by chains of dependent loads; at ~2 TB/s both sides take 15-20 ms there);
 - "ce_bias_sums": the cross-entropy 16 rows a program, each half read once, writing the last
   layer's bias gradient as partial column sums (the column sum and the cross-entropy's second
   read of each row go, without bias_in_gemm's wider dW GEMM: its ones column adds a 128-wide
