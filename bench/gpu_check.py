@@ -39,7 +39,7 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
 
 
 def main(argv=None):
-    names = ["triton", *torch_backend.VARIANTS]
+    names = _backend_names()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("backends", nargs="*", choices=names, help=f"only these (default: all of {names})")
@@ -55,9 +55,12 @@ def main(argv=None):
     return _check_all(args)
 
 
+def _backend_names():
+    return ["triton", *torch_backend.VARIANTS]
+
+
 def _check_all(args):
-    names = ["triton", *torch_backend.VARIANTS]
-    dev, only = args.device, set(args.backends) or set(names)
+    dev, only = args.device, set(args.backends) or set(_backend_names())
     failures = ran = 0
     cases = [
         dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),

@@ -223,7 +223,6 @@ def _gather_back(states, idx):
     return states.gather(1, idx[..., None].expand_as(states))
 
 
-
 def document_sides(documents):
     """(prefix_ids, suffix_ids) of belief_state_loss's `documents` (docs/contract.md §10): one
     (B, L) tensor serves both encoders, a pair gives the forward and the backward encoder their own."""

@@ -14,7 +14,7 @@ from torch import nn
 from bst_fast import BeliefStateTransformer, ModelConfig, ResidualSwiGLUHead, TextHead, belief_state_loss
 from bst_fast import _pairs, decode
 from bst_fast.backends import runtime, torch_backend, torch_chunks
-from bst_fast.head import PairParts, split_linear, swiglu, swiglu_grad, swiglu_hidden
+from bst_fast.head import PairParts, split_linear, swiglu, swiglu_grad, swiglu_hidden, zero_padding
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head, make_inputs,
                       bf16_head_draw, random_grad_out, reference64, rel_err, switch, tiny_weight_float16_errors)
@@ -868,7 +868,7 @@ def test_float16_tiny_pair_weights_keep_their_digits(monkeypatch):
 def _split_linear_by_autograd(linear, f, b, lengths):
     """split_linear as autograd would run it through F.linear of float32 copies (the definition the
     custom backward must equal)."""
-    f, b = [torch.where((torch.arange(x.shape[1])[None, :] >= lengths[:, None])[..., None], 0, x) for x in (f, b)]
+    f, b = zero_padding(f, lengths), zero_padding(b, lengths)
     dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
     m = f.shape[-1]
     return (F.linear(f.to(dtype), linear.weight[:, :m].to(dtype), None if linear.bias is None else linear.bias.to(dtype)),

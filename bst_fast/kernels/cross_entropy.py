@@ -49,6 +49,12 @@ def _label(tok, a, c, half: tl.constexpr, meet, w, lam, MEET: tl.constexpr):
 
 
 @triton.jit
+def _pair(W, w_stride, ia, ib, slot):
+    # (weight, ia, ib) of the pair at `slot`, the flat positions as int64
+    return (tl.load(W + slot * w_stride), tl.load(ia + slot).to(tl.int64), tl.load(ib + slot).to(tl.int64))
+
+
+@triton.jit
 def _nll(mx, zy, ry):
     # (lse - zy, 1 / sum of exp(z - mx)) from the top logit mx, the label's zy and ry, the sum of
     # exp(z - mx) over the other logits: (mx - zy) + log1p(ry + (ey - 1)), ey = exp(zy - mx)
@@ -67,9 +73,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, ldz, hof
     # half are neither read nor written).
     r = tl.program_id(0).to(tl.int64)
     row = Z + r * ldz
-    w = tl.load(W + (s0 + r) * w_stride)
-    a = tl.load(ia + s0 + r).to(tl.int64)
-    c = tl.load(ib + s0 + r).to(tl.int64)
+    w, a, c = _pair(W, w_stride, ia, ib, s0 + r)
     total = 0.0
     for half in tl.static_range(2):
         y, cw = _label(tok, a, c, half, meet, w, lam, MEET)
@@ -116,9 +120,7 @@ def pair_cross_entropy_rows_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s
         r = pid * R + rr
         live = r < n
         rs = tl.where(live, r, 0)  # a row past the chunk reads row 0 and writes nothing
-        w = tl.load(W + (s0 + rs) * w_stride)
-        a = tl.load(ia + s0 + rs).to(tl.int64)
-        c = tl.load(ib + s0 + rs).to(tl.int64)
+        w, a, c = _pair(W, w_stride, ia, ib, s0 + rs)
         total = 0.0
         for half in tl.static_range(2):
             y, cw = _label(tok, a, c, half, meet, w, lam, MEET)
