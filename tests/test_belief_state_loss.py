@@ -449,6 +449,29 @@ def _sample(lengths, prefix_start, min_gap, max_gap, k, seed):
     return torch.ops.bst_fast.sample_pairs(lengths, prefix_start, min_gap, max_gap, k, seed)
 
 
+def test_sampler_draw_does_not_depend_on_thread_count():
+    """Rows are drawn in parallel (at::parallel_for), each from its own (seed, row) stream into its own
+    slice: one thread and several give the same pairs, both branches (dense byte set, sparse hash set)."""
+    g = torch.Generator().manual_seed(77)
+    B, L = 61, 300
+    lengths = torch.randint(0, L + 1, (B,), generator=g)
+    prefix_start = torch.randint(0, 5, (B,), generator=g)
+    counts = _pairs.pair_counts(lengths, prefix_start, 2, L, L)
+    dense = (counts.double() * 0.3).long()  # k >= |P_r| / 64: the byte set
+    sparse = (counts // 200).clamp(max=counts)  # k < |P_r| / 64: the hash set
+    before = torch.get_num_threads()
+    try:
+        for k in (dense, sparse):
+            torch.set_num_threads(1)
+            one = _sample(lengths, prefix_start, 2, L, k, 99)
+            torch.set_num_threads(max(2, before))
+            many = _sample(lengths, prefix_start, 2, L, k, 99)
+            assert one[0].numel() == int(k.sum()) > 0
+            assert all(torch.equal(x, y) for x, y in zip(one, many)), "the draw changed with the thread count"
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_sampler_valid_distinct_sorted_exact_count(seed):
     g = torch.Generator().manual_seed(700 + seed)
