@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -65,6 +65,11 @@ step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 # the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
+# the cross-entropy kernel alone on one chunk of the paper's step, under its launch shapes (one row
+# a program with two passes, as before; blocks of rows), with and without the column sums
+# (ce_bias_sums), and torch's column sum; then a chunk at V = 32000 (halves of several blocks)
+step 60 ce bash -c "python3 bench/cross_entropy.py --out $out/$name-ce.json && \
+    python3 bench/cross_entropy.py --vocab 32000 --rows 4096 --out $out/$name-ce-32k.json"
 # the TextHead's gelu segment sums alone, one chunk at the pairs-a shape: the listed kernels, then
 # structured_grad_kernel (the structured_sums lever), each over a short sweep of launch shapes
 step 90 segments bash -c "python3 bench/segment_sums.py --parts text-gelu --quick --out $out/$name-segments.json && \

@@ -75,6 +75,20 @@ def test_segment_sums_bench_agrees_across_launch_shapes(tmp_path):
     assert len(rows) >= 2 and all(r["walk"] == "structured" and r["rel_err_vs_first"] < 1e-5 for r in rows), rows
 
 
+def test_cross_entropy_bench_agrees_across_launch_shapes(tmp_path):
+    """bench/cross_entropy.py times the cross-entropy kernel under its launch shapes (the two-pass
+    half, one read, blocks of rows, the column sums) and checks each against the first, the sums
+    against a column sum of the gradient written."""
+    out = tmp_path / "ce.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "cross_entropy.py"), "--device", "cpu", "--rows", "9",
+                          "--vocab", "19", "--reps", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["shape"] for r in rows] == ["1x4-2pass", "2x4", "2x4+sums", "column sum (torch, float32)"], rows
+    assert all(r["ms"] > 0 and r["err"] < 1e-5 for r in rows), rows
+
+
 def test_gemm_shapes_bench_checks_its_triton_gemm(tmp_path):
     """bench/gemm_shapes.py: its Triton GEMM agrees with the float64 product at every config and
     layout (the interpreter, float16), and compiles for sm_90 to wgmma with no spills."""

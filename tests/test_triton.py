@@ -342,6 +342,66 @@ def test_pair_list_schedule():
     assert 2 ** pl.search_steps > (pl.suf_off[1:] - pl.suf_off[:-1]).max()
 
 
+@pytest.mark.parametrize("V,pad,n,rows,one,sums,meet,per_pair,dtype", [
+    (19, 0, 13, 2, True, True, False, True, torch.float32),   # one block a half (V <= 32 under the interpreter)
+    (5, 3, 7, 4, True, True, True, False, torch.float32),     # padded halves, gap-1 pairs, one weight for all
+    (32, 0, 1, 1, True, False, False, True, torch.float32),   # a chunk of one row
+    (40, 0, 11, 2, True, False, True, True, torch.float32),   # wider than a block: two passes in blocks of 16
+    (19, 5, 9, 1, False, False, False, False, torch.float32),  # the GPU's default: a row, two passes, though it fits
+    (19, 0, 10, 4, True, True, True, True, torch.bfloat16)])
+def test_cross_entropy_kernel_against_float64(V, pad, n, rows, one, sums, meet, per_pair, dtype):
+    """pair_cross_entropy_ on a chunk at slots [s0, s0 + n): each row's loss, the gradient written in
+    place (padded columns untouched) and the column sums of that gradient against float64, for
+    blocks of 1, 2 and 4 rows, row counts that are not a multiple of the block or of a program's
+    rows, a half read once or in two passes (one block or several), padded halves, gap-1 pairs and
+    per-pair or shared weights."""
+    from types import SimpleNamespace
+
+    from bst_fast.backends.launch import ce_config
+    from bst_fast.kernels.activation import interpreted_bf16
+    from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
+
+    g = torch.Generator().manual_seed(V * 100 + n)
+    L, s0, hoff = 12, 3, V + pad
+    tok = torch.randint(0, V, (4 * L,), generator=g)
+    total = s0 + n + 2
+    ia = torch.randint(0, 4 * L - 3, (total,), generator=g)
+    ib = (ia + torch.randint(1 if meet else 2, 3, (total,), generator=g)).clamp(max=4 * L - 1)
+    w = torch.rand(total if per_pair else 1, generator=g, dtype=torch.float64) + 0.5
+    pl = SimpleNamespace(ia=ia.int(), ib=ib.int(), w=w.float(), w_stride=int(per_pair), meet_token=V - 1 if meet else None)
+    Z0 = (torch.randn(n, 2 * hoff, generator=g) * 3).to(dtype)
+    lam, gscale = 0.3, 1.7
+    cfg = dict(ce_config("cpu", V), ce_rows=rows, ce_one=one, ce_sum_block=rows, ce_sum_rows=3 * rows)
+    Z, loss_rows = Z0.clone(), torch.empty(n)
+    dc_part = torch.zeros(ce_sum_programs(n, cfg), 2 * hoff) if sums else None
+    loss, parts = pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, True, loss_rows, cfg, interpreted_bf16(dtype), V, dc_part)
+
+    z = Z0.double()
+    slot = torch.arange(s0, s0 + n)
+    ww = w[slot] if per_pair else w.expand(n)
+    a, c = ia[slot].long(), ib[slot].long()
+    labels = [tok[a + 1], tok[c - 1]]
+    if meet:
+        labels = [torch.where(c - a == 1, V - 1, y) for y in labels]
+    want_rows, want_dz = torch.zeros(n, dtype=torch.float64), z.clone()
+    for half, (y, cw) in enumerate(zip(labels, (ww * lam, ww * (1 - lam)))):
+        zh = z[:, half * hoff : half * hoff + V]
+        want_rows += cw * (torch.logsumexp(zh, 1) - zh[torch.arange(n), y])
+        d = torch.softmax(zh, 1) - torch.nn.functional.one_hot(y, V)
+        want_dz[:, half * hoff : half * hoff + V] = gscale * cw[:, None] * d
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(loss_rows, want_rows) < 1e-5 and _rel(loss, want_rows.sum()) < 1e-5
+    assert _rel(Z, want_dz) < tol
+    for half in range(2):  # a padded half's columns are neither read nor written
+        assert torch.equal(Z[:, half * hoff + V : (half + 1) * hoff], Z0[:, half * hoff + V : (half + 1) * hoff])
+    if sums:
+        assert parts.shape == (-(-n // (3 * rows)), 2 * hoff)
+        # the sums of the gradient as written (rounded to Z's dtype), in float32
+        assert _rel(parts.sum(0), Z.double().sum(0) * (torch.arange(2 * hoff) % hoff < V)) < 1e-6
+    else:
+        assert parts is None
+
+
 @pytest.mark.parametrize("chunk,fold,dtype,opts", [
     (13, False, torch.float32, dict(lengths=torch.tensor([9, 7]), prefix_start=1, next_weight=0.3)),
     (7, True, torch.bfloat16, dict(min_gap=1, meet_token=2, next_weight=1.0)),
@@ -349,8 +409,8 @@ def test_pair_list_schedule():
     (5, True, torch.float32, dict(pairs=0.5, seed=4)),
     (11, "pad", torch.float32, dict(next_weight=0.6))])
 def test_ce_bias_sums(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
-    """Switches.ce_bias_sums: the rows cross-entropy (3 rows a program under the interpreter, chunks
-    that are not a multiple) gives the same loss and logits gradient, and the last bias gradient as
+    """Switches.ce_bias_sums: the cross-entropy with column sums (6 rows a program in blocks of 2 under
+    the interpreter, chunks that are not a multiple) gives the same loss and logits gradient, and the last bias gradient as
     partial column sums, at the contract's tolerances, with and without bias_in_gemm, with the
     vocabulary padded (V = 19 to 32: the sums land in each half's real columns), for meet pairs,
     one-sided next_weight, row_mean and subsampled (weighted) pairs."""
@@ -358,12 +418,13 @@ def test_ce_bias_sums(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
     chunk_pairs(chunk)
     loss, grads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
     calls = []
-    real = triton_backend.pair_cross_entropy_rows_
-    monkeypatch.setattr(triton_backend, "pair_cross_entropy_rows_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_backend.pair_cross_entropy_
+    monkeypatch.setattr(triton_backend, "pair_cross_entropy_",
+                        lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k))
     switch(monkeypatch, ce_bias_sums=True, bias_in_gemm=bool(fold), vocab_pad=16 if fold == "pad" else 0)
     _check(f, b, tokens, head, dtype=dtype, **opts)
     rloss, rgrads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
-    assert calls  # the rows kernel ran
+    assert calls and all(calls)  # every chunk's cross-entropy wrote the column sums
     assert _rel(rloss, loss) < 1e-6
     for x, y in zip(grads, rgrads):
         assert _rel(y, x) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -561,8 +622,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, structured_grad_kernel, suffix_grad_kernel
-from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel, pair_cross_entropy_rows_kernel
-from bst_fast.backends.launch import CE_ROWS_MAX_V, chunk_config, gather_config
+from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
+from bst_fast.backends.launch import chunk_config, gather_config
 from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
@@ -588,12 +649,15 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                         (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
                         *[(structured_grad_kernel, dict(SIDE=side, ACT=2, BO=cfg["block_BO"], BK=cfg["block_BK"], PIECES=pieces),
                            cfg["block_warps"], "*fp32") for side, pieces in ((0, 1), (1, 8))],
-                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=False), cfg["ce_warps"], "*fp32"),
-                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, BV=cfg["BV"], UP=False, MEET=True), cfg["ce_warps"], "*fp32"),
-                        (pair_cross_entropy_rows_kernel, dict(R=cfg["ce_rows"], NEED_GRAD=True, BV=cfg["rows_BV"], UP=False, MEET=True),
-                         cfg["rows_warps"], "*fp32"))
-            if cfg["rows_BV"] > CE_ROWS_MAX_V:  # the backend takes the rows kernel only up to there
-                launches = launches[:-1]
+                        # the default shape, with and without gap-1 pairs, and (where a half is one
+                        # block, the backend's rule) the column sums' shape
+                        *[(pair_cross_entropy_kernel, dict(NEED_GRAD=True, SUMS=False, BR=cfg["ce_rows"], STEPS=1, BV=cfg["BV"],
+                                                           ONE=cfg["ce_one"] and V <= cfg["BV"], UP=False, MEET=meet),
+                           cfg["ce_warps"], "*fp32") for meet in (False, True)],
+                        *[(pair_cross_entropy_kernel, dict(NEED_GRAD=True, SUMS=True, BR=cfg["ce_sum_block"],
+                                                           STEPS=cfg["ce_sum_rows"] // cfg["ce_sum_block"], BV=cfg["BV"],
+                                                           ONE=True, UP=False, MEET=True), cfg["ce_sum_warps"], "*fp32")
+                          for _ in range(V <= cfg["BV"])])
         else:
             g = gather_config("cuda", widths[0], "swiglu" if V < 0 else "sum")
             table, a = ("*fp32" if widths[0] > 1024 else dt), (SW if V < 0 else NO)

@@ -19,21 +19,27 @@ def chunk_config(device_type: str, V: int, widths, dtype, switches) -> dict:
     return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V))
 
 
-CE_ROWS_MAX_V = 4096  # the widest half the rows cross-entropy holds in registers (8 a thread on 16 warps)
-
-
 def ce_config(device_type: str, V: int) -> dict:
-    """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half."""
-    # the rows kernel (ce_bias_sums) holds a whole half in one block of rows_BV (used where that is at
-    # most CE_ROWS_MAX_V), R = ce_rows rows a program
-    rows_BV = triton.next_power_of_2(V)
+    """Block shape of the cross-entropy kernel (kernels/cross_entropy.py) for V logits a half: BV
+    logits a block; ce_rows rows a block on ce_warps, each half read once where ce_one and V <= BV
+    (else two passes); with the column sums (ce_bias_sums, V <= BV only) ce_sum_block rows a block
+    on ce_sum_warps, ce_sum_rows rows a program."""
     if device_type == "cuda":
-        # at most 8 logits a thread: 16 sit at sm_90's register cap
-        BV = min(4096, triton.next_power_of_2(V))
-        return dict(BV=BV, ce_warps=max(4, BV // 256), rows_BV=rows_BV, ce_rows=16,
-                    rows_warps=min(16, max(4, rows_BV // 256)))
-    # the interpreter: every loop runs
-    return dict(BV=min(16, triton.next_power_of_2(V)), ce_warps=4, rows_BV=rows_BV, ce_rows=3, rows_warps=4)
+        BV = min(4096, triton.next_power_of_2(max(V, 1)))
+        # The default is the shape measured on the H100 (bench/results/nvidia-h100-80gb-hbm3): one
+        # row a program, two passes over a half, at most 8 logits a thread (at 16 the kernel sat at
+        # sm_90's 64-register cap). Blocks of rows read once (ce_rows > 1, ce_one) are built and
+        # checked but not yet timed on a GPU: bench/cross_entropy.py sweeps them.
+        # The column sums take blocks of up to 4096 logits (16 KB of bf16 in flight a program, both
+        # halves), 8 logits a thread: 4 rows x 1024 on 16 warps is 92-108 registers (ptxas sm_90;
+        # on 8 warps it spilled), 64 rows a program.
+        block = max(1, min(16, 4096 // BV))
+        return dict(BV=BV, ce_rows=1, ce_warps=max(4, BV // 256), ce_one=False, ce_sum_block=block,
+                    ce_sum_warps=min(16, max(4, block * BV // 256)), ce_sum_rows=max(64, block))
+    # the interpreter: a half of up to 32 logits in one block, wider ones in blocks of 16 (every loop
+    # runs), blocks of 2 rows; the default GPU shape is bench/cross_entropy.py's and the kernel test's
+    BV = triton.next_power_of_2(V) if V <= 32 else 16
+    return dict(BV=BV, ce_rows=2, ce_warps=4, ce_one=True, ce_sum_block=2, ce_sum_warps=4, ce_sum_rows=6)
 
 
 SEGMENT_KINDS = ("sum", "act", "swiglu")

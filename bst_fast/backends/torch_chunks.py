@@ -195,7 +195,7 @@ class TritonOps:
         from .launch import ce_config
 
         return pair_cross_entropy_(z, self.tok, self.pl, chunk.s0, self.lam, gscale, need, self.loss_rows,
-                                   ce_config(z.device.type, z.shape[1] // 2), interpreted_bf16(z.dtype))
+                                   ce_config(z.device.type, z.shape[1] // 2), interpreted_bf16(z.dtype))[0]
 
 
 def engine(device: torch.device, acc: torch.dtype, triton_ops: Optional[bool]):

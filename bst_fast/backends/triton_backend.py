@@ -24,10 +24,10 @@ Levers, runtime switches off until bench/levers.py has timed them on a GPU (docs
   [H_k | 1 | 0..] (8 more columns at most) also yields dc_k: no column sum, saving a read of
   n*2V*es per chunk for the last layer (n*h*es for a hidden one) for 8/hL more dW FLOPs; a hidden
   layer's H is copied once into its buffer (n*h*es written and read).
-- ce_bias_sums: the cross-entropy R rows a program (pair_cross_entropy_rows_kernel, V <= 4096), each
-  half read once, also writing the column sums of dz as n / R partial rows: dc_L without the
-  column sum, and no 8 extra dW columns (bias_in_gemm's, which at h = 512 or 768 cost a partly
-  filled GEMM tile); the hidden layers keep bias_in_gemm's fold where it is on too.
+- ce_bias_sums: the cross-entropy (a half of at most its block, V <= 4096 on a GPU) also writes
+  the column sums of dz, one partial row a program of ce_sum_rows rows: dc_L without the column
+  sum, and no 8 extra dW columns (bias_in_gemm's, which at h = 512 or 768 cost a partly filled
+  GEMM tile); the hidden layers keep bias_in_gemm's fold where it is on too.
 - vocab_pad: each half of W_L padded with zero rows to Vp, a tile multiple (V = 1000 -> 1024):
   2Vp/2V more logit FLOPs and bytes, for GEMM tiles that divide N = 2Vp. The padded logits are
   exact zeros the cross-entropy skips; their gradient rows are dropped.
@@ -45,16 +45,15 @@ import os
 from typing import List, Optional, Tuple
 
 import torch
-import triton
 
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
 from . import pair_loss_op, runtime
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
-from ..kernels.cross_entropy import pair_cross_entropy_, pair_cross_entropy_rows_
+from ..kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
-from .launch import CE_ROWS_MAX_V, chunk_config
+from .launch import chunk_config
 from .runtime import LossOptions, fused_problem, on_device
 
 NAME = "triton"
@@ -126,10 +125,10 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     fold = runtime.SWITCHES.bias_in_gemm
     ones = [_ones_column(loss_rows.numel(), w.shape[1], dtype, dev) for w in weights] if fold and need else None
     # Under ce_bias_sums the cross-entropy also writes the last layer's bias gradient, as partial
-    # column sums of R rows each (pair_cross_entropy_rows_), where a half fits one block
-    rows_ce = runtime.SWITCHES.ce_bias_sums and cfg["rows_BV"] <= CE_ROWS_MAX_V
+    # column sums of cfg's ce_sum_rows rows each, where a half fits one block
+    sums_ce = need and runtime.SWITCHES.ce_bias_sums and V <= cfg["BV"]
     width_L = weights[-1].shape[0]  # 2V, or 2Vp padded: the partial rows are laid out as the logits
-    dc_part = torch.zeros(triton.cdiv(loss_rows.numel(), cfg["ce_rows"]) if need else 1, width_L, **f32) if rows_ce else None
+    dc_part = torch.zeros(ce_sum_programs(loss_rows.numel(), cfg), width_L, **f32) if sums_ce else None
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
@@ -142,12 +141,8 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
                 H = ones[k + 1][:n, : H.shape[1]].copy_(H)
             Hs.append(H)
         Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-        last_dc = None
-        if rows_ce:
-            chunk_loss, last_dc = pair_cross_entropy_rows_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, dc_part, cfg, up, V)
-            loss += chunk_loss
-        else:
-            loss += pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V)
+        chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V, dc_part)
+        loss += chunk_loss
         if not need:
             continue
         dH = Z

@@ -12,20 +12,24 @@ with g = gscale (1, or the torch backend's float16 chunk scale). Under MEET (doc
 the pair set holds pairs with ib - ia = 1, min_gap = 1) such a pair takes `meet` as both y_n and
 y_p; without it (every min_gap >= 2) the kernel compiles without that select.
 
-One program per row; each half is two passes over V in blocks of BV: an online max / sum of
-exponentials, then (NEED_GRAD) the gradient. The second pass re-reads the row (2V * es bytes), which
-is still in L1/L2. Cost per pair: read 2V * es, write 2V * es (gradient), 4V exp and about 8V
-compare/select/FMA, no atomics; the row's bytes, not this arithmetic, bound it. The logsumexp is
-float32 whatever the logits' dtype (docs/contract.md §6), kept as the top logit and log1p of the
-rest with the label's term apart, so a confident model's small loss is not lost to the rounding
-of the large logits.
+A program takes BR rows at a time (a [BR, BV] block of each half), STEPS times over consecutive
+row blocks. Where a half fits one block (ONE: V <= BV) it is read once into registers and the
+gradient written from them; a wider half takes two passes over V in blocks of BV: an online max /
+sum of exponentials, then (NEED_GRAD) the gradient, re-reading the row from L1/L2. Under SUMS (the
+triton backend's switch ce_bias_sums; ONE only) the program also sums the gradient it writes (as
+rounded to Z's dtype) over its BR * STEPS rows in float32 and stores one (2V,) row of partial sums:
+the last layer's bias gradient is then a sum over n / (BR * STEPS) partial rows instead of a column
+sum re-reading the n * 2V * es gradient.
 
-pair_cross_entropy_rows_kernel (the triton backend's switch ce_bias_sums; V <= BV, one block a
-half): R rows a program, each half read once into registers (no second pass), and the column sums
-of the gradient it writes (as rounded to Z's dtype) accumulated over the program's rows in float32:
-it stores them as one (2V,) row of partial sums, so the last layer's bias gradient is a sum over
-n / R partial rows (n * 2V * 4 / R bytes) instead of a column sum re-reading the n * 2V * es
-gradient. Per pair: read 2V * es, write 2V * es, the same arithmetic; per program one 2V * 4 write.
+Cost model per pair: read 2V * es, write 2V * es (the gradient), 4V exp and about 8V
+compare/select/FMA, 3 index loads, no atomics; the row's bytes, not this arithmetic, bound it: at
+the paper's chunk (n ~ 29k, V = 1000, bf16) 8 KB a row, 235 MB a chunk, ~80 us at 3 TB/s. One row a
+program (BR = 1, two passes) ran at 1.4 TB/s on the H100 (47 ms of the BST original's step): a
+program had 4 KB in flight and a chain of scalar loads and block reductions per row. BR rows a
+program keep BR times the bytes in flight per reduction; SUMS adds 2V * 4 bytes a program. The
+logsumexp is float32 whatever the logits' dtype (docs/contract.md §6), kept as the top logit and
+log1p of the rest with the label's term apart, so a confident model's small loss is not lost to
+the rounding of the large logits.
 """
 import triton
 import triton.language as tl
@@ -66,87 +70,78 @@ def _nll(mx, zy, ry):
 
 
 @triton.jit
-def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, s0, V, ldz, hoff, lam, gscale, meet,
-                              NEED_GRAD: tl.constexpr, BV: tl.constexpr, UP: tl.constexpr, MEET: tl.constexpr):
-    # Row r starts ldz elements after row r - 1; its Prev half hoff elements after its Next half
-    # (ldz = 2 * hoff = 2V, or a vocabulary padded to a tile multiple: the columns past V of each
-    # half are neither read nor written).
-    r = tl.program_id(0).to(tl.int64)
-    row = Z + r * ldz
-    w, a, c = _pair(W, w_stride, ia, ib, s0 + r)
-    total = 0.0
-    for half in tl.static_range(2):
-        y, cw = _label(tok, a, c, half, meet, w, lam, MEET)
-        zr = row + half * hoff
-        # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the loss
-        # is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
-        # exp(zy - mx). For a confident model (the label on top, ey = 1) both keep the tiny ry
-        # whole, which mx + log(se) - zy loses to the rounding of a large mx.
-        mx = -float("inf")
-        ry = 0.0
-        for vb in range(0, V, BV):
-            col = vb + tl.arange(0, BV)
-            z = tl.load(zr + col, mask=col < V, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(mx, tl.max(z, axis=0))
-            # while every logit so far is -inf (a masked block), shift by 0: exp(-inf - -inf) is NaN
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            ry = ry * tl.exp(mx - m_safe) + tl.sum(tl.where(col == y, 0.0, tl.exp(z - m_safe)), axis=0)
-            mx = m_new
-        zy = tl.load(zr + y).to(tl.float32)
-        nll, inv = _nll(mx, zy, ry)
-        total += cw * nll
-        if NEED_GRAD:
-            for vb in range(0, V, BV):
-                col = vb + tl.arange(0, BV)
-                cm = col < V
-                z = tl.load(zr + col, mask=cm, other=0.0).to(tl.float32)
-                d = (cw * gscale) * tl.where(col == y, -ry * inv, tl.exp(z - mx) * inv)
-                tl.store(zr + col, cast(d, Z.dtype.element_ty, UP), mask=cm)
-    tl.store(loss + r, total)
-
-
-@triton.jit
-def pair_cross_entropy_rows_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n, V, ldz, hoff, lam, gscale,
-                                   meet, R: tl.constexpr, NEED_GRAD: tl.constexpr, BV: tl.constexpr,
-                                   UP: tl.constexpr, MEET: tl.constexpr):
-    # Rows pid * R .. pid * R + R - 1 (those < n); dc_part[pid] <- the column sums of their gradient,
-    # laid out as a row of Z (2 * hoff wide: a padded vocabulary's columns are left alone).
+def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n, V, ldz, hoff, lam, gscale, meet,
+                              NEED_GRAD: tl.constexpr, SUMS: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
+                              BV: tl.constexpr, ONE: tl.constexpr, UP: tl.constexpr, MEET: tl.constexpr):
+    # Rows (pid * STEPS + st) * BR + [0, BR) for st < STEPS, those < n. Row r starts ldz elements
+    # after row r - 1; its Prev half hoff elements after its Next half (ldz = 2 * hoff = 2V, or a
+    # vocabulary padded to a tile multiple: the columns past V of each half are neither read nor
+    # written). SUMS: dc_part[pid] <- the column sums of the program's gradient, laid out as a row of Z.
     pid = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BV)
-    cm = col < V
-    acc0 = tl.zeros((BV,), dtype=tl.float32)
-    acc1 = tl.zeros((BV,), dtype=tl.float32)
-    for rr in range(R):
-        r = pid * R + rr
+    if SUMS:
+        acc0 = tl.zeros((BV,), dtype=tl.float32)
+        acc1 = tl.zeros((BV,), dtype=tl.float32)
+    for st in range(STEPS):
+        r = (pid * STEPS + st) * BR + tl.arange(0, BR)
         live = r < n
         rs = tl.where(live, r, 0)  # a row past the chunk reads row 0 and writes nothing
         w, a, c = _pair(W, w_stride, ia, ib, s0 + rs)
-        total = 0.0
+        total = tl.zeros((BR,), dtype=tl.float32)
         for half in tl.static_range(2):
             y, cw = _label(tok, a, c, half, meet, w, lam, MEET)
-            zr = Z + rs * ldz + half * hoff
-            z = tl.load(zr + col, mask=cm, other=-float("inf")).to(tl.float32)
-            mx = tl.max(z, axis=0)
-            m_safe = tl.where(mx == -float("inf"), 0.0, mx)
-            e = tl.exp(z - m_safe)
-            is_y = col == y
-            ry = tl.sum(tl.where(is_y, 0.0, e), axis=0)
-            zy = tl.sum(tl.where(is_y, z, 0.0), axis=0)
+            zr = Z + rs * ldz + half * hoff  # (BR,) row starts
+            is_y = col[None, :] == y[:, None]
+            # Online max mx and ry = the sum of exp(z - mx) over every logit but the label's: the
+            # loss is (mx - zy) + log1p(ry + (ey - 1)) and the label's gradient -ry / (ry + ey), ey =
+            # exp(zy - mx). For a confident model (the label on top, ey = 1) both keep the tiny ry
+            # whole, which mx + log(se) - zy loses to the rounding of a large mx.
+            if ONE:
+                cm = col[None, :] < V
+                z = tl.load(zr[:, None] + col[None, :], mask=cm, other=-float("inf")).to(tl.float32)
+                mx = tl.max(z, axis=1)
+                m_safe = tl.where(mx == -float("inf"), 0.0, mx)  # a row of -inf logits: no NaN from -inf - -inf
+                e = tl.exp(z - m_safe[:, None])
+                ry = tl.sum(tl.where(is_y, 0.0, e), axis=1)
+                zy = tl.sum(tl.where(is_y, z, 0.0), axis=1)
+            else:
+                mx = tl.full((BR,), -float("inf"), dtype=tl.float32)
+                ry = tl.zeros((BR,), dtype=tl.float32)
+                for vb in range(0, V, BV):
+                    cb = vb + col[None, :]
+                    z = tl.load(zr[:, None] + cb, mask=cb < V, other=-float("inf")).to(tl.float32)
+                    m_new = tl.maximum(mx, tl.max(z, axis=1))
+                    # while every logit so far is -inf (a masked block), shift by 0: exp(-inf - -inf) is NaN
+                    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                    ry = ry * tl.exp(mx - m_safe) + tl.sum(tl.where(cb == y[:, None], 0.0, tl.exp(z - m_safe[:, None])),
+                                                           axis=1)
+                    mx = m_new
+                zy = tl.load(zr + y).to(tl.float32)
             nll, inv = _nll(mx, zy, ry)
             total += cw * nll
             if NEED_GRAD:
-                d = cast((cw * gscale) * tl.where(is_y, -ry * inv, e * inv), Z.dtype.element_ty, UP)
-                write = cm & (r + col * 0 < n)  # (a vector compare: the interpreter takes no scalar mask here)
-                tl.store(zr + col, d, mask=write)
-                d = tl.where(write, d.to(tl.float32), 0.0)
-                if half == 0:
-                    acc0 += d
+                g = (cw * gscale)[:, None]
+                if ONE:
+                    d = cast(g * tl.where(is_y, (-ry * inv)[:, None], e * inv[:, None]), Z.dtype.element_ty, UP)
+                    write = cm & live[:, None]
+                    tl.store(zr[:, None] + col[None, :], d, mask=write)
+                    if SUMS:
+                        part = tl.sum(tl.where(write, d.to(tl.float32), 0.0), axis=0)
+                        if half == 0:
+                            acc0 += part
+                        else:
+                            acc1 += part
                 else:
-                    acc1 += d
+                    for vb in range(0, V, BV):
+                        cb = vb + col[None, :]
+                        cm = (cb < V) & live[:, None]
+                        z = tl.load(zr[:, None] + cb, mask=cm, other=0.0).to(tl.float32)
+                        d = g * tl.where(cb == y[:, None], (-ry * inv)[:, None], tl.exp(z - mx[:, None]) * inv[:, None])
+                        tl.store(zr[:, None] + cb, cast(d, Z.dtype.element_ty, UP), mask=cm)
         tl.store(loss + rs, total, mask=live)
-    if NEED_GRAD:
-        tl.store(dc_part + pid * 2 * hoff + col, acc0, mask=cm)
-        tl.store(dc_part + pid * 2 * hoff + hoff + col, acc1, mask=cm)
+    if SUMS:
+        tl.store(dc_part + pid * 2 * hoff + col, acc0, mask=col < V)
+        tl.store(dc_part + pid * 2 * hoff + hoff + col, acc1, mask=col < V)
 
 
 def _halves(name, Z, V):
@@ -159,35 +154,37 @@ def _halves(name, Z, V):
     return n, hoff, V
 
 
-def pair_cross_entropy_rows_(Z, tok, pl, s0, lam, gscale, need, loss_rows, dc_part, cfg, up, V=None):
-    """pair_cross_entropy_ by the rows kernel (V <= cfg's rows_BV): also, with need, the column sums
-    of the gradient written into Z, in float32 partial rows dc_part[:programs] (returned) of a
-    zeroed (>= ceil(n / R), Z.shape[1]) buffer (without need, (1, Z.shape[1]): not written); their
-    sum over rows is the last layer's bias gradient (zero in a padded vocabulary's columns)."""
-    n, hoff, V = _halves("pair_cross_entropy_rows_", Z, V)
-    R, BV = cfg["ce_rows"], cfg["rows_BV"]
-    if V > BV or dc_part.shape[1] != 2 * hoff or need and dc_part.shape[0] * R < n:
-        raise ValueError(f"pair_cross_entropy_rows_: Z {tuple(Z.shape)} / {Z.stride()}, V {V}, BV {BV}, "
-                         f"dc_part {tuple(dc_part.shape)} do not fit {n} rows of {R}")
-    programs = triton.cdiv(n, R)
-    meet = pl.meet_token
-    pair_cross_entropy_rows_kernel[(programs,)](
-        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, dc_part, s0, n, V, Z.stride(0), hoff, float(lam),
-        float(gscale), 0 if meet is None else int(meet), R=R, NEED_GRAD=need, BV=BV, UP=up, MEET=meet is not None,
-        num_warps=cfg["rows_warps"])
-    return loss_rows[:n].sum(), dc_part[:programs]
-
-
-def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V=None):
+def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V=None, dc_part=None):
     """The weighted loss of the chunk's logits Z (n, 2V), rows contiguous, at slots [s0, s0 + n) of
     the PairList `pl` (a 0-dim float32 sum); with need, Z becomes gscale * its gradient in place.
     With V given, Z is (n, 2Vp), each half padded from V to Vp columns that are left as they are.
     tok: the flat int64 tokens; loss_rows: a float32 buffer of at least n; cfg: ce_config's shapes.
-    The labels of gap-1 pairs are pl.meet_token (None: the pair set has none)."""
+    The labels of gap-1 pairs are pl.meet_token (None: the pair set has none).
+
+    dc_part (with need, and a half of at most cfg's BV): a float32 buffer of at least
+    ce_sum_programs(n, cfg) rows of Z.shape[1]; the program p then writes the column sums of its
+    rows' gradient into dc_part[p] (zero in a padded vocabulary's columns), and the call returns
+    (loss, dc_part[:programs]), whose sum over rows is the last layer's bias gradient. Without it,
+    (loss, None)."""
     n, hoff, V = _halves("pair_cross_entropy_", Z, V)
+    BV = cfg["BV"]
+    sums = dc_part is not None
+    if sums:
+        BR, warps, steps, one = cfg["ce_sum_block"], cfg["ce_sum_warps"], cfg["ce_sum_rows"] // cfg["ce_sum_block"], True
+    else:
+        BR, warps, steps, one = cfg["ce_rows"], cfg["ce_warps"], 1, cfg["ce_one"] and V <= BV
+    programs = triton.cdiv(n, BR * steps)
+    if sums and (not need or V > BV or dc_part.shape[1] != 2 * hoff or dc_part.shape[0] < programs):
+        raise ValueError(f"pair_cross_entropy_: column sums need the gradient (need={need}), a half of at most "
+                         f"BV = {BV} (V = {V}) and dc_part of at least ({programs}, {2 * hoff}), got {tuple(dc_part.shape)}")
     meet = pl.meet_token
-    pair_cross_entropy_kernel[(n,)](
-        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, s0, V, Z.stride(0), hoff, float(lam), float(gscale),
-        0 if meet is None else int(meet), NEED_GRAD=need, BV=cfg["BV"], UP=up, MEET=meet is not None,
-        num_warps=cfg["ce_warps"])
-    return loss_rows[:n].sum()
+    pair_cross_entropy_kernel[(programs,)](
+        Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, dc_part if sums else loss_rows, s0, n, V, Z.stride(0), hoff,
+        float(lam), float(gscale), 0 if meet is None else int(meet), NEED_GRAD=need, SUMS=sums, BR=BR, STEPS=steps,
+        BV=BV, ONE=one, UP=up, MEET=meet is not None, num_warps=warps)
+    return loss_rows[:n].sum(), dc_part[:programs] if sums else None
+
+
+def ce_sum_programs(n: int, cfg) -> int:
+    """Programs (rows of partial sums) of pair_cross_entropy_ with column sums over n rows."""
+    return triton.cdiv(n, cfg["ce_sum_rows"])
