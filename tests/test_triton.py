@@ -402,6 +402,47 @@ def test_cross_entropy_kernel_against_float64(V, pad, n, rows, one, sums, meet, 
         assert parts is None
 
 
+def test_cross_entropy_wrapper_refuses_bad_buffers():
+    """pair_cross_entropy_ names what is wrong instead of writing past a buffer or into a strided
+    view: a short or non-float32 loss_rows, a dc_part that is strided, a view, bf16 or short, column
+    sums without the gradient or of a half wider than a block, and a cfg whose block does not
+    divide a program's rows."""
+    from types import SimpleNamespace
+
+    from bst_fast.backends.launch import ce_config
+    from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
+
+    V, n = 19, 13
+    tok = torch.randint(0, V, (60,))
+    ia = torch.arange(n, dtype=torch.int32)
+    pl = SimpleNamespace(ia=ia, ib=ia + 2, w=torch.ones(1), w_stride=0, meet_token=None)
+    Z = torch.randn(n, 2 * V)
+    cfg = ce_config("cpu", V)
+    rows = ce_sum_programs(n, cfg)
+
+    def call(loss_rows=None, dc_part=None, need=True, cfg=cfg, Z=Z, V=None):
+        loss_rows = torch.empty(n) if loss_rows is None else loss_rows
+        return pair_cross_entropy_(Z.clone(), tok, pl, 0, 0.5, 1.0, need, loss_rows, cfg, False, V, dc_part)
+
+    with pytest.raises(ValueError, match="loss_rows must be a contiguous float32 vector of at least 13"):
+        call(loss_rows=torch.empty(5))
+    with pytest.raises(ValueError, match="loss_rows"):
+        call(loss_rows=torch.empty(n, dtype=torch.float64))
+    for bad in (torch.zeros(rows, 4 * V)[:, : 2 * V], torch.zeros(2 * V, rows).t(),
+                torch.zeros(rows, 2 * V, dtype=torch.bfloat16), torch.zeros(rows - 1, 2 * V)):
+        with pytest.raises(ValueError, match="dc_part must be a contiguous float32"):
+            call(dc_part=bad)
+    with pytest.raises(ValueError, match="need=True"):
+        call(dc_part=torch.zeros(rows, 2 * V), need=False)
+    with pytest.raises(ValueError, match="a half of at most BV = 32 logits, got V = 40"):
+        call(dc_part=torch.zeros(rows, 80), Z=torch.randn(n, 80))
+    for block, sum_rows in ((2, 7), (3, 6), (4, 2)):
+        with pytest.raises(ValueError, match="ce_sum_block must be a power of 2 dividing ce_sum_rows"):
+            call(dc_part=torch.zeros(rows, 2 * V), cfg=dict(cfg, ce_sum_block=block, ce_sum_rows=sum_rows))
+    loss, parts = call(dc_part=torch.zeros(rows, 2 * V))  # and the well-formed call runs
+    assert parts.shape == (rows, 2 * V) and torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("chunk,fold,dtype,opts", [
     (13, False, torch.float32, dict(lengths=torch.tensor([9, 7]), prefix_start=1, next_weight=0.3)),
     (7, True, torch.bfloat16, dict(min_gap=1, meet_token=2, next_weight=1.0)),
@@ -649,11 +690,15 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                         (suffix_grad_kernel, dict(ACT=4, BS=cfg["BS"], BK=cfg["seg_BK"]), cfg["seg_warps"], "*fp32"),
                         *[(structured_grad_kernel, dict(SIDE=side, ACT=2, BO=cfg["block_BO"], BK=cfg["block_BK"], PIECES=pieces),
                            cfg["block_warps"], "*fp32") for side, pieces in ((0, 1), (1, 8))],
-                        # the default shape, with and without gap-1 pairs, and (where a half is one
-                        # block, the backend's rule) the column sums' shape
-                        *[(pair_cross_entropy_kernel, dict(NEED_GRAD=True, SUMS=False, BR=cfg["ce_rows"], STEPS=1, BV=cfg["BV"],
+                        # the default shape, with and without gap-1 pairs or the gradient, and (where
+                        # a half is one block, the backend's rule) the column sums' shape
+                        *[(pair_cross_entropy_kernel, dict(NEED_GRAD=need, SUMS=False, BR=cfg["ce_rows"], STEPS=1, BV=cfg["BV"],
                                                            ONE=cfg["ce_one"] and V <= cfg["BV"], UP=False, MEET=meet),
-                           cfg["ce_warps"], "*fp32") for meet in (False, True)],
+                           cfg["ce_warps"], "*fp32") for need, meet in ((True, False), (True, True), (False, False))],
+                        # the blocked read-once shape bench/cross_entropy.py times against the default
+                        (pair_cross_entropy_kernel, dict(NEED_GRAD=True, SUMS=False, BR=cfg["ce_sum_block"], STEPS=1,
+                                                         BV=cfg["BV"], ONE=V <= cfg["BV"], UP=False, MEET=True),
+                         cfg["ce_sum_warps"], "*fp32"),
                         *[(pair_cross_entropy_kernel, dict(NEED_GRAD=True, SUMS=True, BR=cfg["ce_sum_block"],
                                                            STEPS=cfg["ce_sum_rows"] // cfg["ce_sum_block"], BV=cfg["BV"],
                                                            ONE=True, UP=False, MEET=True), cfg["ce_sum_warps"], "*fp32")

@@ -31,6 +31,7 @@ logsumexp is float32 whatever the logits' dtype (docs/contract.md §6), kept as 
 log1p of the rest with the label's term apart, so a confident model's small loss is not lost to
 the rounding of the large logits.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -77,6 +78,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n,
     # after row r - 1; its Prev half hoff elements after its Next half (ldz = 2 * hoff = 2V, or a
     # vocabulary padded to a tile multiple: the columns past V of each half are neither read nor
     # written). SUMS: dc_part[pid] <- the column sums of the program's gradient, laid out as a row of Z.
+    tl.static_assert(not SUMS or (ONE and NEED_GRAD), "SUMS sums the gradient of a half read once: ONE and NEED_GRAD")
     pid = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BV)
     if SUMS:
@@ -168,15 +170,26 @@ def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V
     (loss, None)."""
     n, hoff, V = _halves("pair_cross_entropy_", Z, V)
     BV = cfg["BV"]
+    if loss_rows.dtype != torch.float32 or loss_rows.dim() != 1 or loss_rows.stride(0) != 1 or loss_rows.numel() < n:
+        raise ValueError(f"pair_cross_entropy_: loss_rows must be a contiguous float32 vector of at least {n} rows, "
+                         f"got {loss_rows.dtype} {tuple(loss_rows.shape)} with strides {loss_rows.stride()}")
     sums = dc_part is not None
     if sums:
-        BR, warps, steps, one = cfg["ce_sum_block"], cfg["ce_sum_warps"], cfg["ce_sum_rows"] // cfg["ce_sum_block"], True
+        if not need:
+            raise ValueError("pair_cross_entropy_: column sums (dc_part) are sums of the gradient: they need need=True")
+        if V > BV:
+            raise ValueError(f"pair_cross_entropy_: column sums need a half of at most BV = {BV} logits, got V = {V}")
+        BR, warps, one = cfg["ce_sum_block"], cfg["ce_sum_warps"], True
+        steps = _sum_steps(cfg)
+        programs = ce_sum_programs(n, cfg)
+        if (dc_part.dtype != torch.float32 or dc_part.device != Z.device or dc_part.dim() != 2
+                or dc_part.stride() != (2 * hoff, 1) or dc_part.shape[0] < programs):
+            raise ValueError(f"pair_cross_entropy_: dc_part must be a contiguous float32 ({programs} or more, {2 * hoff}) "
+                             f"buffer on {Z.device}, got {dc_part.dtype} {tuple(dc_part.shape)} with strides "
+                             f"{dc_part.stride()} on {dc_part.device}")
     else:
         BR, warps, steps, one = cfg["ce_rows"], cfg["ce_warps"], 1, cfg["ce_one"] and V <= BV
-    programs = triton.cdiv(n, BR * steps)
-    if sums and (not need or V > BV or dc_part.shape[1] != 2 * hoff or dc_part.shape[0] < programs):
-        raise ValueError(f"pair_cross_entropy_: column sums need the gradient (need={need}), a half of at most "
-                         f"BV = {BV} (V = {V}) and dc_part of at least ({programs}, {2 * hoff}), got {tuple(dc_part.shape)}")
+        programs = triton.cdiv(n, BR)
     meet = pl.meet_token
     pair_cross_entropy_kernel[(programs,)](
         Z, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, dc_part if sums else loss_rows, s0, n, V, Z.stride(0), hoff,
@@ -185,6 +198,14 @@ def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V
     return loss_rows[:n].sum(), dc_part[:programs] if sums else None
 
 
+def _sum_steps(cfg) -> int:
+    """Blocks a program of the column sums: cfg's ce_sum_rows rows in blocks of ce_sum_block."""
+    block, rows = cfg["ce_sum_block"], cfg["ce_sum_rows"]
+    if block < 1 or block & (block - 1) or rows < block or rows % block:
+        raise ValueError(f"ce_sum_block must be a power of 2 dividing ce_sum_rows, got {block} and {rows}")
+    return rows // block
+
+
 def ce_sum_programs(n: int, cfg) -> int:
     """Programs (rows of partial sums) of pair_cross_entropy_ with column sums over n rows."""
-    return triton.cdiv(n, cfg["ce_sum_rows"])
+    return triton.cdiv(n, cfg["ce_sum_block"] * _sum_steps(cfg))
