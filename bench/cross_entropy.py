@@ -32,19 +32,9 @@ from pairs import timed as timed_s  # bench/pairs.py's timer; it puts the projec
 from bst_fast.backends.launch import ce_config, chunk_config
 from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import interpreted_bf16
-from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
+from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 
 SHAPES = [(1, 4, False), (1, 4, True), (2, 8, True), (4, 8, True), (4, 16, True)]  # 8 x 16 spilled (ptxas sm_90)
-
-
-def launch(Z, tok, pl, loss_rows, dc_part, V, BV, rows, warps, one, sums, sum_rows, up):
-    n, hoff = Z.shape[0], Z.shape[1] // 2
-    steps = sum_rows // rows if sums else 1
-    grid = (-(-n // (rows * steps)),)
-    pair_cross_entropy_kernel[grid](Z, tok, pl.ia, pl.ib, pl.w, 0, loss_rows, dc_part if sums else loss_rows, 0, n, V,
-                                    Z.stride(0), hoff, 0.5, 1.0, 0, NEED_GRAD=True, SUMS=sums, BR=rows, STEPS=steps,
-                                    BV=BV, ONE=one, UP=up, MEET=False, num_warps=warps)
-    return grid[0]
 
 
 def main():
@@ -63,27 +53,31 @@ def main():
     L = 258
     tok = torch.randint(0, V, (64 * L,), generator=g).to(dev)
     ia = torch.randint(0, 64 * L - 3, (n,), generator=g)
-    pl = SimpleNamespace(ia=ia.int().to(dev), ib=(ia + 2).int().to(dev), w=torch.ones(1, device=dev))
+    pl = SimpleNamespace(ia=ia.int().to(dev), ib=(ia + 2).int().to(dev), w=torch.ones(1, device=dev), w_stride=0,
+                         meet_token=None)
     Z0 = (torch.randn(n, 2 * V, generator=g) * 3).to(dev, dtype)
     Z, loss_rows = Z0.clone(), torch.empty(n, device=dev)
     up = interpreted_bf16(dtype)
-    sum_rows = ce_config(dev, V)["ce_sum_rows"]
-    dc_part = torch.zeros(-(-n // min(r for r, _, _ in SHAPES)), 2 * V, device=dev)
+    base = ce_config(dev, V)
+    dc_part = torch.zeros(ce_sum_programs(n, base), 2 * V, device=dev)
     shapes = SHAPES if dev == "cuda" else [(1, 4, False), (2, 4, True)]
     gbytes = 2 * n * 2 * V * Z.element_size() / 1e9
     rows, first = [], None
     inner = 10 if dev == "cuda" else 1  # launches a timed sample: a ~0.1 ms kernel's launch amortised
-    BV = ce_config(dev, V)["BV"]
     for r, w, one in shapes:
-        one = one and V <= BV  # a half wider than a block takes two passes whatever the shape
+        one = one and V <= base["BV"]  # a half wider than a block takes two passes whatever the shape
         for sums in ((False, True) if one else (False,)):
             name = f"{r}x{w}" + ("" if one else "-2pass") + ("+sums" if sums else "")
             if any(row["shape"] == name for row in rows):
                 continue
 
+            # the shape as the backend's config; the column sums keep its rows a program
+            cfg = dict(base, ce_sum_block=r, ce_sum_warps=w) if sums else dict(base, ce_rows=r, ce_warps=w, ce_one=one)
+
             def run():
-                programs = launch(Z, tok, pl, loss_rows, dc_part, V, BV, r, w, one, sums, sum_rows, up)
-                return dc_part[:programs].sum(0) if sums else None
+                _, parts = pair_cross_entropy_(Z, tok, pl, 0, 0.5, 1.0, True, loss_rows, cfg, up, V,
+                                               dc_part if sums else None)
+                return parts.sum(0) if sums else None
 
             Z.copy_(Z0)
             got = (run(), loss_rows.clone(), Z.clone())

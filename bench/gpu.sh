@@ -62,7 +62,7 @@ slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
-# the pair loss's levers (runtime switches that are off until timed here) against the defaults, each
+# the pair loss's levers (runtime switches, off unless timed faster here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
 # the cross-entropy kernel alone on one chunk of the paper's step, under its launch shapes (one row

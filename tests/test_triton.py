@@ -363,10 +363,12 @@ def test_cross_entropy_kernel_against_float64(V, pad, n, rows, one, sums, meet, 
 
     g = torch.Generator().manual_seed(V * 100 + n)
     L, s0, hoff = 12, 3, V + pad
-    tok = torch.randint(0, V, (4 * L,), generator=g)
+    tokens = torch.randint(0, V, (4, L), generator=g)
+    tok = tokens.reshape(-1)  # the kernel reads labels at flat offsets ia + 1, ib - 1
     total = s0 + n + 2
-    ia = torch.randint(0, 4 * L - 3, (total,), generator=g)
-    ib = (ia + torch.randint(1 if meet else 2, 3, (total,), generator=g)).clamp(max=4 * L - 1)
+    row, i = torch.randint(0, 4, (total,), generator=g), torch.randint(0, L - 2, (total,), generator=g)
+    j = i + torch.randint(1 if meet else 2, 3, (total,), generator=g)  # gap-1 pairs under meet
+    ia, ib = row * L + i, row * L + j
     w = torch.rand(total if per_pair else 1, generator=g, dtype=torch.float64) + 0.5
     pl = SimpleNamespace(ia=ia.int(), ib=ib.int(), w=w.float(), w_stride=int(per_pair), meet_token=V - 1 if meet else None)
     Z0 = (torch.randn(n, 2 * hoff, generator=g) * 3).to(dtype)
@@ -379,10 +381,7 @@ def test_cross_entropy_kernel_against_float64(V, pad, n, rows, one, sums, meet, 
     z = Z0.double()
     slot = torch.arange(s0, s0 + n)
     ww = w[slot] if per_pair else w.expand(n)
-    a, c = ia[slot].long(), ib[slot].long()
-    labels = [tok[a + 1], tok[c - 1]]
-    if meet:
-        labels = [torch.where(c - a == 1, V - 1, y) for y in labels]
+    labels = _pairs.labels(tokens, row[slot], i[slot], j[slot], V - 1 if meet else None)
     want_rows, want_dz = torch.zeros(n, dtype=torch.float64), z.clone()
     for half, (y, cw) in enumerate(zip(labels, (ww * lam, ww * (1 - lam)))):
         zh = z[:, half * hoff : half * hoff + V]

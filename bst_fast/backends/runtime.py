@@ -76,24 +76,25 @@ class Switches:
     fused_swiglu: bool = True
     # The triton backend's bias gradients as one more output column of the weight gradients' GEMMs
     # ([H | 1]: no separate column sum re-reading each chunk's logits gradient), BST_FAST_BIAS_IN_GEMM=1.
-    # Off until bench/gpu.sh's `levers` step has timed it against the column sums on a GPU.
+    # Off: 1.015x on the H100 (bench/results/nvidia-h100-80gb-hbm3/levers.md), within noise.
     bias_in_gemm: bool = False
     # The triton backend's last layer with each half of the vocabulary padded with zero rows to a
     # multiple of this (0: none), BST_FAST_VOCAB_PAD: V = 1000 fills no 128- or 256-wide GEMM tile,
-    # 1024 does. Off until timed by bench/gpu.sh's `levers` step.
+    # 1024 does. Off: 0.976x (128) and 0.969x (256) on the H100.
     vocab_pad: int = 0
     # The segment sums of an all-pairs list by structured_grad_kernel (PairList.jlo, alo): a program
     # owns a block of positions and walks the other side by arithmetic, one load of a block of dH
     # rows a step, instead of a segment a program through ib / perm / ia and a binary search,
-    # BST_FAST_STRUCTURED_SUMS=1. Off until timed by bench/gpu.sh's `levers`.
+    # BST_FAST_STRUCTURED_SUMS=1. Off: 0.938x on the H100, where the listed kernels are already fast.
     structured_sums: bool = False
-    # The triton backend's cross-entropy R rows a program, each half read once, writing the column
-    # sums of the gradient as partial rows: the last layer's bias gradient without a column sum over
-    # the (n, 2V) gradient (V <= 4096), BST_FAST_CE_BIAS_SUMS=1. Off until timed by `levers`.
+    # The triton backend's cross-entropy also writing the column sums of the gradient as partial
+    # rows (blocks of rows, each half read once): the last layer's bias gradient without a column
+    # sum over the (n, 2V) gradient (V <= 4096), BST_FAST_CE_BIAS_SUMS=1. Its first form (16 rows a
+    # program one at a time) was 0.893x on the H100; the current one is not timed yet: off.
     ce_bias_sums: bool = False
     # Subsampled pairs of rows without documents drawn on the tensors' device (_device_sampler.sample_on_device)
-    # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off until bench/gpu.sh
-    # has timed it against the C++ sampler on a GPU.
+    # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off: 0.895x against the
+    # C++ sampler at pairs=0.02 on the H100 (B = 32).
     device_sampler: bool = False
 
     @classmethod

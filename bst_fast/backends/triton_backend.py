@@ -19,7 +19,8 @@ So 6*n*hL*2V FLOPs in three large GEMMs (M = n, the chunk), about 4*n*2V*es byte
 no atomics anywhere (every sum has one owner and a fixed order: bitwise reproducible), and memory
 bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
 
-Levers, runtime switches off until bench/levers.py has timed them on a GPU (docs/backends.md):
+Levers, runtime switches that bench/levers.py times against the defaults (all off: none paid on the
+H100, docs/backends.md "Levers"):
 - bias_in_gemm: every layer's input H_k sits in a buffer with a ones column, so the dW GEMM over
   [H_k | 1 | 0..] (8 more columns at most) also yields dc_k: no column sum, saving a read of
   n*2V*es per chunk for the last layer (n*h*es for a hidden one) for 8/hL more dW FLOPs; a hidden

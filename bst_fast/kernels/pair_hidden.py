@@ -51,7 +51,8 @@ Cost per pair and hidden unit (h1 wide, es bytes per element of the compute dtyp
   reads one a slot: 32x more), and with P > 1 pieces 2 * P * positions * h * 4 of scratch. With
   the divisibility a launch at h = 768 specialises on, 96-126 registers for an activation at
   BO = 32, BK = 64, 4 warps, 48-55 for plain sums, 93-94 for SWIGLU at BO = 16; the test's
-  compile without it: at most 255, no spills. Not timed on a GPU yet (docs/backends.md "Levers").
+  compile without it: at most 255, no spills. On the H100 it took 0.195 ms a chunk at pairs-a (both
+  sides, its best shape) against the listed kernels' 0.126 (docs/backends.md "Levers").
 """
 import torch
 import triton
