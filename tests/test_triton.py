@@ -474,6 +474,136 @@ def test_ce_bias_sums(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
                     loss) < 1e-5 or dtype != torch.float32
 
 
+@pytest.mark.parametrize("V,pad,n,K,meet,per_pair,need,dtype", [
+    (19, 0, 37, 21, False, True, True, torch.float32),   # 3 row blocks (the last part-filled), 2 column blocks, 2 K-steps
+    (5, 11, 16, 16, True, False, True, torch.float32),   # padded halves (5 of 16 columns), gap-1 pairs, one weight
+    (33, 0, 1, 40, False, True, True, torch.float16),    # a chunk of one row, 3 column blocks, K not a multiple of 16
+    (19, 13, 23, 24, True, True, True, torch.bfloat16),
+    (19, 0, 23, 24, False, True, False, torch.bfloat16)])  # loss only: no logits stored
+def test_logits_cross_entropy_kernel_against_float64(V, pad, n, K, meet, per_pair, need, dtype):
+    """pair_logits_cross_entropy_ (the switch fused_ce) against float64 on the logits it rounds to the
+    compute dtype: each row's two weighted losses, the gradient written into Z (zeros in padded
+    columns) and the column sums of that gradient, for row blocks, column blocks and K-loops that
+    are not multiples of their blocks, padded halves, gap-1 pairs and per-pair or shared weights."""
+    from types import SimpleNamespace
+
+    from bst_fast.backends.launch import logits_ce_config
+    from bst_fast.kernels.activation import interpreted_bf16
+    from bst_fast.kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
+
+    g = torch.Generator().manual_seed(V * 100 + n + K)
+    L, s0, hoff = 12, 3, V + pad
+    tokens = torch.randint(0, V, (4, L), generator=g)
+    total = s0 + n + 2
+    row, i = torch.randint(0, 4, (total,), generator=g), torch.randint(0, L - 2, (total,), generator=g)
+    j = i + torch.randint(1 if meet else 2, 3, (total,), generator=g)
+    w = torch.rand(total if per_pair else 1, generator=g, dtype=torch.float64) + 0.5
+    pl = SimpleNamespace(ia=(row * L + i).int(), ib=(row * L + j).int(), w=w.float(), w_stride=int(per_pair),
+                         meet_token=V - 1 if meet else None)
+    H = (torch.randn(n, K, generator=g) * 0.7).to(dtype)
+    W, c = torch.zeros(2 * hoff, K, dtype=dtype), torch.zeros(2 * hoff, dtype=dtype)
+    for half in range(2):  # a padded half's rows are zeros, as _padded_vocabulary leaves them
+        W[half * hoff : half * hoff + V] = torch.randn(V, K, generator=g).to(dtype)
+        c[half * hoff : half * hoff + V] = torch.randn(V, generator=g).to(dtype)
+    cfg = logits_ce_config("cpu", dtype, K)
+    Z = torch.full((n, 2 * hoff), float("nan"), dtype=dtype) if need else None
+    dc_part = torch.full((logits_ce_programs(n, cfg), 2 * hoff), float("nan")) if need else None
+    loss_rows = torch.empty(2 * n)
+    lam, gscale = 0.3, 1.7
+    loss, parts = pair_logits_cross_entropy_(H, W, c, Z, tokens.reshape(-1), pl, s0, lam, gscale, need, loss_rows, dc_part, cfg,
+                                             interpreted_bf16(dtype), V)
+
+    z = (H.double() @ W.double().t() + c.double()).to(dtype).double()  # the logits as the kernel rounds them
+    slot = torch.arange(s0, s0 + n)
+    ww = w[slot] if per_pair else w.expand(n)
+    labels = _pairs.labels(tokens, row[slot], i[slot], j[slot], V - 1 if meet else None)
+    want_rows, want_dz = torch.zeros(2, n, dtype=torch.float64), torch.zeros(n, 2 * hoff, dtype=torch.float64)
+    for half, (y, cw) in enumerate(zip(labels, (ww * lam, ww * (1 - lam)))):
+        zh = z[:, half * hoff : half * hoff + V]
+        want_rows[half] = cw * (torch.logsumexp(zh, 1) - zh[torch.arange(n), y])
+        d = torch.softmax(zh, 1) - torch.nn.functional.one_hot(y, V)
+        want_dz[:, half * hoff : half * hoff + V] = gscale * cw[:, None] * d
+    # the products' order differs from float64's: a logit may round the other way at 16 bits
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(loss_rows[: 2 * n].reshape(2, n), want_rows) < tol and _rel(loss, want_rows.sum()) < tol
+    if not need:
+        assert parts is None
+        return
+    assert _rel(Z, want_dz) < tol
+    assert torch.equal(Z.double() * (torch.arange(2 * hoff) % hoff >= V), torch.zeros(n, 2 * hoff, dtype=torch.float64))
+    assert parts.shape == (-(-n // cfg["lce_BM"]), 2 * hoff)
+    assert _rel(parts.sum(0), Z.double().sum(0)) < 1e-6  # the sums of the gradient as written, in float32
+
+
+def test_logits_cross_entropy_wrapper_refuses_bad_buffers():
+    """pair_logits_cross_entropy_ names what is wrong with each argument instead of reading or writing
+    past a buffer."""
+    from types import SimpleNamespace
+
+    from bst_fast.backends.launch import logits_ce_config
+    from bst_fast.kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
+
+    n, K, V = 9, 16, 7
+    cfg = logits_ce_config("cpu", torch.float32, K)
+    pl = SimpleNamespace(ia=torch.arange(n, dtype=torch.int32), ib=torch.arange(n, dtype=torch.int32) + 2,
+                         w=torch.ones(1), w_stride=0, meet_token=None)
+    tok = torch.zeros(n + 4, dtype=torch.long)
+    good = dict(H=torch.randn(n, K), W=torch.randn(2 * V, K), c=torch.randn(2 * V), Z=torch.empty(n, 2 * V),
+                loss_rows=torch.empty(2 * n), dc_part=torch.empty(logits_ce_programs(n, cfg), 2 * V), need=True, V=V)
+
+    def call(**bad):
+        a = {**good, **bad}
+        return pair_logits_cross_entropy_(a["H"], a["W"], a["c"], a["Z"], tok, pl, 0, 0.5, 1.0, a["need"], a["loss_rows"],
+                                          a["dc_part"], cfg, False, a["V"])
+
+    for bad, match in ((dict(H=torch.randn(K, n).t()), "contiguous rows"), (dict(W=torch.randn(2 * V + 1, K)), "W must be"),
+                       (dict(V=V + 1), "hoff >= V"), (dict(c=torch.randn(2 * V, dtype=torch.float64)), "share a dtype"),
+                       (dict(loss_rows=torch.empty(n)), f"at least {2 * n} rows"),
+                       (dict(Z=torch.empty(n, 2 * V, dtype=torch.bfloat16)), "Z must be a contiguous"),
+                       (dict(Z=torch.empty(2 * V, n).t()), "Z must be a contiguous"), (dict(Z=None), "Z must be"),
+                       (dict(dc_part=torch.empty(0, 2 * V)), "dc_part must be"),
+                       (dict(dc_part=torch.empty(1, 2 * V, dtype=torch.float64)), "dc_part must be"),
+                       (dict(need=False), "Z and dc_part must be None")):
+        with pytest.raises(ValueError, match=match):
+            call(**bad)
+    loss, parts = call()  # and the well-formed call runs
+    assert torch.isfinite(loss) and parts.shape == (logits_ce_programs(n, cfg), 2 * V)
+
+
+@pytest.mark.parametrize("chunk,fold,dtype,opts", [
+    (13, False, torch.float32, dict(lengths=torch.tensor([9, 7]), prefix_start=1, next_weight=0.3)),
+    (7, True, torch.bfloat16, dict(min_gap=1, meet_token=2, next_weight=1.0)),
+    (None, "pad", torch.float16, dict(reduction="row_mean", next_weight=0.0)),
+    (5, "sums", torch.float32, dict(pairs=0.5, seed=4))])
+def test_fused_ce(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
+    """Switches.fused_ce: the last layer's GEMM with the cross-entropy in its epilogue gives the
+    unfused path's loss and gradients at the contract's tolerances (and float64's, _check), alone, with
+    bias_in_gemm (the hidden layers' fold), a padded vocabulary or ce_bias_sums (which it supersedes),
+    for chunks that cut rows, meet pairs, one-sided next_weight, row_mean and subsampled pairs; without
+    gradients no logits buffer is made."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, hidden=[12, 10], n_layers=3, activation="gelu", seed=26)
+    chunk_pairs(chunk)
+    loss, grads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    calls = []
+    real = triton_backend.pair_logits_cross_entropy_
+    monkeypatch.setattr(triton_backend, "pair_logits_cross_entropy_", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    switch(monkeypatch, fused_ce=True, bias_in_gemm=fold is True, vocab_pad=16 if fold == "pad" else 0,
+           ce_bias_sums=fold == "sums")
+    _check(f, b, tokens, head, dtype=dtype, **opts)
+    rloss, rgrads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    assert calls and all(calls)  # every chunk went through the fused kernel, with the gradient
+    assert _rel(rloss, loss) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for x, y in zip(grads, rgrads):
+        assert _rel(y, x) < (1e-5 if dtype == torch.float32 else 3e-2)
+    calls.clear()
+    with torch.no_grad():
+        gen = {"generator": torch.Generator().manual_seed(opts["seed"])} if "seed" in opts else {}
+        nloss = belief_state_loss(f, b, tokens, head.to(dtype), backend="triton", **{k: v for k, v in opts.items() if k != "seed"},
+                                  **gen) if dtype == torch.float32 else None
+    if nloss is not None:
+        assert calls and not any(calls) and _rel(nloss, loss) < 1e-5
+
+
 @pytest.mark.parametrize("documents", [None, "ids", "separated"])
 def test_structured_pair_list(documents):
     """pair_list(structured=True): each slot is pre_off[a] + c - jlo[a], and each suffix's prefixes
@@ -663,7 +793,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, structured_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
-from bst_fast.backends.launch import chunk_config, gather_config
+from bst_fast.kernels.logits_cross_entropy import pair_logits_ce_kernel
+from bst_fast.backends.launch import chunk_config, gather_config, logits_ce_config
 from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
@@ -673,7 +804,7 @@ try:
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
 INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet",
-        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows"}  # the rest are pointers or floats
+        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows", "K", "ldw", "nloss"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "jlo": "*i32", "alo": "*i32", "tok": "*i64", "seg_off": "*i64",
          "pre_off": "*i64", "suf_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
@@ -710,14 +841,33 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                         (suffix_grad_kernel, dict(ACT=a, BS=g["BS"], BK=g["seg_BK"]), g["seg_warps"], table),
                         *[(structured_grad_kernel, dict(SIDE=side, ACT=a, BO=g["block_BO"], BK=g["block_BK"], PIECES=pieces),
                            g["block_warps"], table) for side, pieces in ((1, 1), (0, 8))])
-        for fn, consts, warps, table in launches:
-            sig = {}
-            for name in inspect.signature(fn.fn).parameters:
+        if V > 0:
+            # the last layer's GEMM with the cross-entropy (the switch fused_ce), K the last hidden
+            # width, with and without the gradient or gap-1 pairs; specialised as the launcher would
+            # at these sizes: pointers and multiples of 16 marked (ldz = 2V, ldh = ldw = K)
+            K = widths[-1]
+            lce = logits_ce_config("cuda", dtype, K)
+            sizes = dict(K=K, ldh=K, ldw=K, ldz=2 * V)
+            launches += tuple((pair_logits_ce_kernel, dict(NEED_GRAD=need, BM=lce["lce_BM"], BN=lce["lce_BN"], BK=lce["lce_BK"],
+                                                           EVEN_K=K % lce["lce_BK"] == 0, ALIGNED=V % 8 == 0,
+                                                           ALIGNED_K=K % 8 == 0, UP=False, IEEE=dtype == torch.float32,
+                                                           MEET=meet), lce["lce_warps"], "*fp32", lce["lce_stages"], sizes)
+                              for need, meet in ((True, False), (True, True), (False, False)))
+        for fn, consts, warps, table, *launch in launches:
+            stages, sizes = launch if launch else (None, {})
+            sig, marked = {}, []
+            for k, name in enumerate(inspect.signature(fn.fn).parameters):
                 sig[name] = ("constexpr" if name in consts else "i32" if name in INTS
                              else "fp32" if name in ("lam", "scale", "gscale") else table if name in ("A", "Bm")
-                             else INDEX.get(name, dt if name in ("H", "dH", "Z") else "*fp32"))
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                             else INDEX.get(name, dt if name in ("H", "dH", "Z", "W", "c") else "*fp32"))
+                if sizes and (sig[name].startswith("*") or sizes.get(name, 1) % 16 == 0):
+                    marked.append((k,))
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                         attrs={m: [["tt.divisibility", 16]] for m in marked}),
+                               target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, **({"num_stages": stages} if stages else {})))
+            if fn is pair_logits_ce_kernel and dtype != torch.float32:  # the GEMM is on the tensor cores
+                assert "wgmma.mma_async" in k.asm["ptx"], ("no wgmma", dt, V)
             assert k.asm["cubin"], "no cubin"
             # ptxas's own report on the PTX: registers and spill traffic
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as fh:
@@ -730,7 +880,7 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             assert regs and spills, rep
             assert max(spills) == 0, (fn.fn.__name__, dt, V, rep)
             print(fn.fn.__name__, dt, V, widths, consts.get("ACT", ""), consts.get("SIDE", ""), consts.get("PIECES", ""),
-                  "registers", max(regs))
+                  consts.get("NEED_GRAD", ""), "registers", max(regs))
 print("compiled")
 '''
 

@@ -5,6 +5,7 @@ The measurements behind each shape are in docs/backends.md ("Launch shapes"). Un
 """
 from __future__ import annotations
 
+import torch
 import triton
 
 
@@ -16,7 +17,31 @@ def chunk_config(device_type: str, V: int, widths, dtype, switches) -> dict:
     # layer's z1 = A_i + B_j is recomputed); dH and dZ of the widest; the loss row (float32)
     per_pair = es * (2 * V + sum(widths) + sum(widths[1:]) + 2 * max(widths)) + 4
     chunk = switches.chunk_pairs or max(1, switches.triton_chunk_bytes // per_pair)
-    return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V))
+    return dict(chunk=chunk, **gather_config(device_type, widths[0], "act"), **ce_config(device_type, V),
+                **logits_ce_config(device_type, dtype, widths[-1]))
+
+
+def logits_ce_config(device_type: str, dtype, K: int) -> dict:
+    """Block shape of the last layer's GEMM with the cross-entropy in its epilogue (the switch
+    fused_ce, kernels/logits_cross_entropy.py) for operands of `dtype` and K inputs: lce_BM rows by
+    lce_BN logits a program's block (two accumulators of lce_BN / 2), a K-loop of lce_BK, lce_warps
+    warps, lce_stages pipeline stages."""
+    if device_type == "cuda":
+        if dtype == torch.float32:  # full-float32 products on the FMA units (no wgmma): a small block
+            return dict(lce_BM=32, lce_BN=64, lce_BK=16, lce_warps=4, lce_stages=2)
+        # Two warpgroups of wgmma on two 128 x 64 float32 accumulators (64 registers a thread), the
+        # epilogue's exponentials on one at a time; 3 stages of 128 x 64 tiles of H and W are 96 KB
+        # of shared memory. ptxas (sm_90): 255 registers, no spills, so one program an SM. Per pair
+        # it reads 16 KB of W and 16 KB of H from L2 (64 x 128 on 4 warps, two programs an SM,
+        # would read 48 KB). Where 64 does not divide K the K-loop's masks spilled (764 bytes at
+        # K = 200): blocks of 128 x 64 logits and K-steps of 32 instead. bench/logits_ce.py times
+        # the shapes; not yet timed on a GPU.
+        if K % 64:
+            return dict(lce_BM=128, lce_BN=64, lce_BK=32, lce_warps=8, lce_stages=3)
+        return dict(lce_BM=128, lce_BN=128, lce_BK=64, lce_warps=8, lce_stages=3)
+    # the interpreter: blocks of 16 rows and 2 x 16 logits (tl.dot's smallest), so that K-loops,
+    # column blocks and row blocks all take several steps at the tests' sizes
+    return dict(lce_BM=16, lce_BN=32, lce_BK=16, lce_warps=4, lce_stages=1)
 
 
 def ce_config(device_type: str, V: int) -> dict:

@@ -96,6 +96,10 @@ class Switches:
     # instead of by the C++ sampler on the host, BST_FAST_DEVICE_SAMPLER=1. Off: 0.895x against the
     # C++ sampler at pairs=0.02 on the H100 (B = 32).
     device_sampler: bool = False
+    # The triton backend's last layer as one kernel: its GEMM with the cross-entropy and the bias
+    # gradient's column sums in the epilogue (kernels/logits_cross_entropy.py), BST_FAST_FUSED_CE=1.
+    # It replaces the logits GEMM, the cross-entropy kernel and the column sum; not timed on a GPU yet: off.
+    fused_ce: bool = False
 
     @classmethod
     def from_environment(cls) -> "Switches":
@@ -107,7 +111,8 @@ class Switches:
                    vocab_pad=env_count("BST_FAST_VOCAB_PAD"),
                    structured_sums=env_flag("BST_FAST_STRUCTURED_SUMS"),
                    ce_bias_sums=env_flag("BST_FAST_CE_BIAS_SUMS"),
-                   device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"))
+                   device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"),
+                   fused_ce=env_flag("BST_FAST_FUSED_CE"))
 
 
 # The switches in force: the environment's, read once when bst_fast is imported.

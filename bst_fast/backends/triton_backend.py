@@ -29,6 +29,12 @@ H100, docs/backends.md "Levers"):
   the column sums of dz, one partial row a program of ce_sum_rows rows: dc_L without the column
   sum, and no 8 extra dW columns (bias_in_gemm's, which at h = 512 or 768 cost a partly filled
   GEMM tile); the hidden layers keep bias_in_gemm's fold where it is on too.
+- fused_ce: the logits GEMM, the cross-entropy and dc_L's column sums as one kernel
+  (kernels/logits_cross_entropy.py): the logits go from the tensor cores' accumulators through an
+  online logsumexp, are stored once and overwritten by dz while still in L2, with dc_L's partial
+  sums from the same registers: the cross-entropy kernel's read and write and the column sum's
+  read of n*2V*es each go, for a Triton GEMM in place of cuBLAS's (0.55-0.89x it at plain shapes
+  on the H100, bench/gemm_shapes.py).
 - vocab_pad: each half of W_L padded with zero rows to Vp, a tile multiple (V = 1000 -> 1024):
   2Vp/2V more logit FLOPs and bytes, for GEMM tiles that divide N = 2Vp. The padded logits are
   exact zeros the cross-entropy skips; their gradient rows are dropped.
@@ -53,6 +59,7 @@ from . import pair_loss_op, runtime
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
+from ..kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
 from .launch import chunk_config
 from .runtime import LossOptions, fused_problem, on_device
@@ -130,6 +137,12 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     sums_ce = need and runtime.SWITCHES.ce_bias_sums and V <= cfg["BV"]
     width_L = weights[-1].shape[0]  # 2V, or 2Vp padded: the partial rows are laid out as the logits
     dc_part = torch.zeros(ce_sum_programs(loss_rows.numel(), cfg), width_L, **f32) if sums_ce else None
+    # Under fused_ce the last layer's GEMM, the cross-entropy and dc_L's partial sums are one kernel
+    # (its loss rows: a half each)
+    fused = runtime.SWITCHES.fused_ce
+    if fused:
+        loss_rows = torch.empty(2 * loss_rows.numel(), **f32)
+        dc_part = torch.empty(logits_ce_programs(loss_rows.numel() // 2, cfg), width_L, **f32) if need else None
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
@@ -141,8 +154,13 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
             if ones:  # one more pass over a hidden layer's H, into its buffer
                 H = ones[k + 1][:n, : H.shape[1]].copy_(H)
             Hs.append(H)
-        Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-        chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V, dc_part)
+        if fused:  # the gradient of the logits, which are never stored without need
+            Z = torch.empty(n, width_L, dtype=dtype, device=dev) if need else None
+            chunk_loss, last_dc = pair_logits_cross_entropy_(Hs[-1], weights[-1], biases[-1], Z, tok, pl, s0, lam, 1.0, need,
+                                                             loss_rows, dc_part, cfg, up, V)
+        else:
+            Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
+            chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V, dc_part)
         loss += chunk_loss
         if not need:
             continue
