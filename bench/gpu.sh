@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers lce check-fused paper-fused ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -64,7 +64,16 @@ slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
 # the pair loss's levers (runtime switches, off unless timed faster here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
-step 120 levers python3 bench/levers.py --device cuda --reps 9 --out "$out/$slug"
+# (LEVERS="default fused_ce ...": only those, names without spaces)
+step 120 levers python3 bench/levers.py --device cuda --reps 9 ${LEVERS:+--levers $LEVERS} --out "$out/$slug"
+# the last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
+# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked
+step 60 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
+# the float64 checks with fused_ce on (the cases' V = 101, 3001, 64, 77 and K = 40, 200, 24, 96:
+# unaligned halves and K-loops with a tail), then Table 3's BST columns with it
+step 120 check-fused env BST_FAST_FUSED_CE=1 python3 bench/gpu_check.py cuda triton
+step 150 paper-fused env BST_FAST_FUSED_CE=1 python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-original bst-improved --out "$out/$slug-fused"
 # the cross-entropy kernel alone on one chunk of the paper's step, under its launch shapes (one row
 # a program with two passes, as before; blocks of rows), with and without the column sums
 # (ce_bias_sums), and torch's column sum; then a chunk at V = 32000 (halves of several blocks)

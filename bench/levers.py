@@ -23,6 +23,10 @@ becomes the default. The settings (LEVERS):
   read of each row go, without bias_in_gemm's wider dW GEMM: its ones column adds a 128-wide
   tile for 8 columns at h = 512 or 768); with bias_in_gemm the hidden layers keep the fold;
 - "all": bias_in_gemm, ce_bias_sums, vocab_pad=128 and structured_sums together;
+- "fused_ce": the last layer's GEMM with the cross-entropy and the bias sums in its epilogue
+  (kernels/logits_cross_entropy.py; prediction: the logits' separate passes, the cross-entropy's
+  read and write and the column sum's read, go for a Triton GEMM in place of cuBLAS's: 28.4 ms to
+  about 20-23 at this shape); with vocab_pad=128 (full column blocks) and with a 512 MB chunk;
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
@@ -70,6 +74,9 @@ LEVERS = {
     "ce_bias_sums": (dict(ce_bias_sums=True), False),
     "ce_bias_sums+bias_in_gemm": (dict(ce_bias_sums=True, bias_in_gemm=True), False),
     "all": (dict(bias_in_gemm=True, ce_bias_sums=True, vocab_pad=128, structured_sums=True), False),
+    "fused_ce": (dict(fused_ce=True), False),
+    "fused_ce+vocab_pad=128": (dict(fused_ce=True, vocab_pad=128), False),
+    "fused_ce+chunk=512MB": (dict(fused_ce=True, triton_chunk_bytes=512 * MB), False),
     "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),

@@ -89,6 +89,21 @@ def test_cross_entropy_bench_agrees_across_launch_shapes(tmp_path):
     assert all(r["ms"] > 0 and r["err"] < 1e-5 for r in rows), rows
 
 
+def test_logits_ce_bench_agrees_across_variants(tmp_path):
+    """bench/logits_ce.py times the unfused last layer (addmm, cross-entropy, column sum; and with the
+    cross-entropy's sums) and the fused kernel on one chunk, and checks each against the first: the
+    loss rows, the logits' gradient and the bias sums."""
+    out = tmp_path / "lce.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "logits_ce.py"), "--device", "cpu", "--rows", "37",
+                          "--vocab", "19", "--K", "24", "--reps", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["unfused (addmm, cross-entropy, column sum)", "unfused, ce_bias_sums",
+                                            "fused 16x32/16 w4 s1 (default)", "addmm alone (cuBLAS logits)"], rows
+    assert all(r["ms"] > 0 and r["rel_err_vs_first"] < 1e-5 for r in rows), rows
+
+
 def test_gemm_shapes_bench_checks_its_triton_gemm(tmp_path):
     """bench/gemm_shapes.py: its Triton GEMM agrees with the float64 product at every config and
     layout (the interpreter, float16), and compiles for sm_90 to wgmma with no spills."""
@@ -213,7 +228,7 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
     timed interleaved; the JSON names every setting it ran, the baselines first."""
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "levers.py"), "--device", "cpu", "--dtype", "float32",
                           "--batch", "2", "--T", "6", "--d-model", "8", "--hidden", "8", "--vocab", "19", "--reps", "1",
-                          "--levers", "bias_in_gemm", "vocab_pad=128", "pairs=0.02 device_sampler",
+                          "--levers", "bias_in_gemm", "vocab_pad=128", "fused_ce", "pairs=0.02 device_sampler",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -221,7 +236,7 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
     assert result["failed"] == {}  # a setting that raised or differed would be named here, untimed
     names = [r["name"] for r in result["rows"]]
     # the baselines come first, pairs=0.02 added for the subsampled setting
-    assert names == ["default", "pairs=0.02", "bias_in_gemm", "vocab_pad=128", "pairs=0.02 device_sampler"]
+    assert names == ["default", "pairs=0.02", "bias_in_gemm", "vocab_pad=128", "fused_ce", "pairs=0.02 device_sampler"]
     for r in result["rows"]:
         assert r["ms"] > 0 and len(r["times_ms"]) == 1
         assert r["max_rel_err_vs_default"] < 1e-5  # checked before it was timed (the sampler at pairs=1.0)

@@ -164,6 +164,9 @@ def pair_logits_ce_kernel(H, W, c, Z, tok, ia, ib, Wp, w_stride, loss, dc_part, 
     nll, inv = _nll(mx, zy, ry)
     tl.store(loss + half * nloss + row0 + lrs, cw * nll, mask=live)
     if NEED_GRAD:
+        # pass 2 reads logits that other threads of the program stored in pass 1 (its layout need not
+        # be the store's): a barrier makes their global writes visible to the whole block first
+        tl.debug_barrier()
         g = cw * gscale
         gy = g * -ry * inv  # the label's gradient, and the others' scale
         gi = g * inv

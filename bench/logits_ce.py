@@ -1,0 +1,115 @@
+"""Time the last layer's logits, cross-entropy and bias-gradient sums on one chunk: the unfused path the
+triton backend runs by default (cuBLAS's addmm, pair_cross_entropy_kernel, torch's float32 column
+sum), the same with the cross-entropy's column sums (ce_bias_sums), and the fused kernel
+(kernels/logits_cross_entropy.py, the switch fused_ce) under several block shapes.
+
+On the H100 (bench/results/nvidia-h100-80gb-hbm3) the BST original's step spent about 86 us a chunk in
+the logits GEMM, 164 us in the cross-entropy and about 90 us in the column sums (287 chunks of ~29k
+rows, V = 1000, K = 512). Prediction for the fused kernel: 130-200 us a chunk (the GEMM on Triton's
+wgmma at 0.55-0.89x cuBLAS, bench/gemm_shapes.py, with the softmax and the gradient's write in its
+epilogue), so 40-60 ms less a step.
+
+Shapes by name BMxBN/BK wWARPS sSTAGES. Every row's loss, gradient and bias sums are checked against
+the unfused default's; "GEMM TFLOP/s" counts the 2 n K 2V FLOPs of the logits.
+
+    python bench/logits_ce.py                       # a chunk of the paper's step (V = 1000, K = 512, bf16)
+    python bench/logits_ce.py --device cpu --rows 37 --vocab 19 --K 24 --reps 1   # interpreter smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import torch
+
+from pairs import timed as timed_s  # bench/pairs.py's timer; it puts the project root on the path
+from bst_fast.backends.launch import ce_config, chunk_config, logits_ce_config
+from bst_fast.backends.runtime import SWITCHES
+from bst_fast.kernels.activation import interpreted_bf16
+from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
+from bst_fast.kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
+
+# (BM, BN, BK, warps, stages); ptxas sm_90 at K = 512: the first four without spills (255, 255, 226
+# and 255 registers), the last two spill a little (64 x 128 on 4 warps fits two programs an SM)
+CUDA_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 3),
+               (64, 128, 64, 4, 3), (64, 64, 64, 4, 3)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--K", type=int, default=512, help="the last layer's input width")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="rows of the chunk (default: the triton backend's chunk for a 3-layer head 512 wide)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    dev, V, K, dtype = args.device, args.vocab, args.K, getattr(torch, args.dtype)
+    n = args.rows or chunk_config(dev, V, [512, 512], dtype, SWITCHES)["chunk"]
+    g = torch.Generator().manual_seed(0)
+    L = 258
+    tok = torch.randint(0, V, (64 * L,), generator=g).to(dev)
+    ia = torch.randint(0, 64 * L - 3, (n,), generator=g)
+    pl = SimpleNamespace(ia=ia.int().to(dev), ib=(ia + 2).int().to(dev), w=torch.ones(1, device=dev), w_stride=0,
+                         meet_token=None)
+    H = torch.randn(n, K, generator=g).relu().to(dev, dtype)  # a ReLU layer's output
+    W = (torch.randn(2 * V, K, generator=g) * 3 / K**0.5).to(dev, dtype)
+    c = (torch.randn(2 * V, generator=g) * 0.1).to(dev, dtype)
+    up = interpreted_bf16(dtype)
+    base = ce_config(dev, V)
+    Z = torch.empty(n, 2 * V, dtype=dtype, device=dev)
+    loss_rows = torch.empty(2 * n, device=dev)
+    dc_ce = torch.zeros(ce_sum_programs(n, base), 2 * V, device=dev)
+    inner = 5 if dev == "cuda" else 1  # launches a timed sample
+    gflop = 2 * n * K * 2 * V / 1e9
+
+    def unfused(sums):
+        torch.addmm(c, H, W.t(), out=Z)
+        _, parts = pair_cross_entropy_(Z, tok, pl, 0, 0.5, 1.0, True, loss_rows, base, up, V, dc_ce if sums else None)
+        return parts.sum(0) if sums else Z.sum(0, dtype=torch.float32)
+
+    variants = [("unfused (addmm, cross-entropy, column sum)", lambda: unfused(False), None),
+                ("unfused, ce_bias_sums", lambda: unfused(True), None)]
+    shapes = CUDA_SHAPES if dev == "cuda" else [None]
+    for shape in shapes:
+        cfg = logits_ce_config(dev, dtype, K) if shape is None else dict(zip(
+            ("lce_BM", "lce_BN", "lce_BK", "lce_warps", "lce_stages"), shape))
+        dc_part = torch.empty(logits_ce_programs(n, cfg), 2 * V, device=dev)
+
+        def fused(cfg=cfg, dc_part=dc_part):
+            _, parts = pair_logits_cross_entropy_(H, W, c, Z, tok, pl, 0, 0.5, 1.0, True, loss_rows, dc_part, cfg, up, V)
+            return parts.sum(0)
+
+        name = "fused {lce_BM}x{lce_BN}/{lce_BK} w{lce_warps} s{lce_stages}".format(**cfg)
+        variants.append((name + (" (default)" if cfg == logits_ce_config(dev, dtype, K) else ""), fused, cfg))
+
+    rows, first = [], None
+    for name, run, cfg in variants:
+        dc = run()
+        per_row = loss_rows[:n] + loss_rows[n : 2 * n] if cfg else loss_rows[:n].clone()
+        got = (dc, per_row, Z.clone())
+        if first is None:
+            first = got
+        err = max((got[0] - first[0]).abs().max().item() / first[0].abs().max().clamp_min(1e-30).item(),
+                  (got[1] - first[1]).abs().max().item() / first[1].abs().max().clamp_min(1e-30).item(),
+                  (got[2].float() - first[2].float()).abs().max().item() / first[2].float().abs().max().item())
+        ms = timed_s(lambda: [run() for _ in range(inner)], dev, args.reps)[0] / inner * 1e3
+        rows.append(dict(variant=name, ms=ms, gemm_tflop_s=gflop / ms, rel_err_vs_first=err, **(cfg or {})))
+    ms = timed_s(lambda: [torch.addmm(c, H, W.t(), out=Z) for _ in range(inner)], dev, args.reps)[0] / inner * 1e3
+    rows.append(dict(variant="addmm alone (cuBLAS logits)", ms=ms, gemm_tflop_s=gflop / ms, rel_err_vs_first=0.0))
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)"
+    print(f"# The last layer's logits and cross-entropy on one chunk: {name}, {n} rows, K = {K}, V = {V}, "
+          f"{args.dtype}, median of {args.reps} samples of {inner} calls\n")
+    print("| variant | ms | GEMM TFLOP/s | max rel. err vs the first |\n| --- | --- | --- | --- |")
+    for row in sorted(rows, key=lambda x: x["ms"]):
+        print(f"| {row['variant']} | {row['ms']:.3f} | {row['gemm_tflop_s']:.0f} | {row['rel_err_vs_first']:.1e} |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(device=name, rows_per_chunk=n, K=K, V=V, dtype=args.dtype, results=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
