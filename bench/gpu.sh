@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers lce check-fused paper-fused ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers lce check-fused paper-fused paper-compiled ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -74,6 +74,10 @@ step 60 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
 step 120 check-fused env BST_FAST_FUSED_CE=1 python3 bench/gpu_check.py cuda triton
 step 150 paper-fused env BST_FAST_FUSED_CE=1 python3 bench/paper_speed.py --device cuda --shape paper \
     --columns bst-original bst-improved --out "$out/$slug-fused"
+# Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
+# the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 for both)
+step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \
+    --out "$out/$slug-compiled"
 # the cross-entropy kernel alone on one chunk of the paper's step, under its launch shapes (one row
 # a program with two passes, as before; blocks of rows), with and without the column sums
 # (ce_bias_sums), and torch's column sum; then a chunk at V = 32000 (halves of several blocks)

@@ -100,7 +100,7 @@ from bst_fast.backends import runtime  # noqa: E402
 from bst_fast.config import TrainConfig, apply_overrides, apply_sets  # noqa: E402
 from bst_fast.model import ModelConfig  # noqa: E402
 from bst_fast.tasks import Objective, Rows, build_model, model_config  # noqa: E402
-from bst_fast.trainer import Run, build_optimizer, train_step  # noqa: E402
+from bst_fast.trainer import Run, build_optimizer, compile_encoders, train_step  # noqa: E402
 
 
 def bench_module(name: str):
@@ -204,6 +204,8 @@ def build_column_run(cfg: TrainConfig, task, device: str) -> Run:
     cfg = model_config(cfg, task)
     model = build_model(cfg).to(device)
     optimizer, scheduler = build_optimizer(model, cfg)
+    if cfg.compile:  # --set compile=true: the encoders compiled as train compiles them (the warm-up compiles)
+        compile_encoders(model)
     return Run(cfg, task, model, model, optimizer, scheduler, Objective.from_config(cfg), device, 1, 0)
 
 

@@ -225,6 +225,15 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     return Run(cfg, task, model, model, optimizer, scheduler, objective, device, world, rank)
 
 
+def compile_encoders(model) -> None:
+    """TrainConfig.compile: torch.compile the model's encoders (the forward one, and the backward
+    one where it has its own). Module.compile() compiles in place: parameter names, and so
+    checkpoints, stay the same. The first step through them compiles."""
+    model.forward_encoder.compile()
+    if getattr(model, "backward_encoder", None) is not None:
+        model.backward_encoder.compile()
+
+
 def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optional[int], overwrite: bool,
              device: str, world: int, rank: int):
     """_setup's checks, then (rank 0) the claim of the run folder: (run, start, end, loaded state),
@@ -241,12 +250,9 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
               f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
         return {"step": float(start), **logged_at(Path(cfg.out_dir), start)}
     if cfg.compile:
-        # Module.compile() compiles in place: parameter names, and so checkpoints, stay the same.
         # Compiled here, so that the first batch below compiles the training graph (with grad, as
         # a step runs it) and a broken compiler fails before the folder is touched.
-        model.forward_encoder.compile()
-        if getattr(model, "backward_encoder", None) is not None:
-            model.backward_encoder.compile()
+        compile_encoders(model)
     # the backend takes this head on this device, and the data gives a batch
     with torch.enable_grad() if cfg.compile else torch.no_grad():
         part = run.batch(start).split(cfg.grad_accum)[0]

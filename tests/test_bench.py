@@ -173,6 +173,26 @@ def test_paper_speed_runs_every_column_of_table_3_through_the_trainer(tmp_path):
     assert "3.09" in md and "0.205" in md and "0.801" in md and "BST improved, SwiGLU head" in md
 
 
+def test_paper_speed_compiles_the_encoders_as_train_does(monkeypatch):
+    """--set compile=true: each column's encoders go through trainer.compile_encoders, as
+    bst_fast.train compiles them (the forward one and a BST's own backward one), and not without it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_paper_speed_compile", ROOT / "bench" / "paper_speed.py")
+    ps = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, ps)  # its dataclasses look their module up
+    spec.loader.exec_module(ps)
+    compiled = []
+    monkeypatch.setattr(ps, "compile_encoders", lambda model: compiled.append(model))
+    base = ps.base_config(ps.SHAPES["tiny"], "cpu", 4)
+    task = ps.SyntheticText(1000, 32)
+    for column in ps.COLUMNS[:2]:
+        for sets in ([], ["compile=true"]):
+            run = ps.build_column_run(ps.column_config(column, base, sets), task, "cpu")
+            assert (compiled[-1] is run.model) if sets else (run.model not in compiled)
+    assert len(compiled) == 2 and compiled[1].backward_encoder is not None
+
+
 def test_paper_speed_refuses_a_bad_set_before_running():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape",
                           "tiny", "--set", "model.n_layr=3"], capture_output=True, text=True, timeout=120)
