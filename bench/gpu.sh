@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers lce check-fused paper-fused paper-compiled ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper levers levers-paper lce check-fused paper-fused paper-compiled ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -66,13 +66,20 @@ step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 # (LEVERS="default fused_ce ...": only those, names without spaces)
 step 120 levers python3 bench/levers.py --device cuda --reps 9 ${LEVERS:+--levers $LEVERS} --out "$out/$slug"
+# the levers at the paper's head (3 x 512, relu: the hidden layer's levers apply) on 32 rows of the
+# paper's encoders' width
+step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
+    --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
+    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums --out "$out/$slug-levers-paper"
 # the last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
 # column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked
 step 60 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
-# the float64 checks with fused_ce on (the cases' V = 101, 3001, 64, 77 and K = 40, 200, 24, 96:
-# unaligned halves and K-loops with a tail), then Table 3's BST columns with it
-step 120 check-fused env BST_FAST_FUSED_CE=1 python3 bench/gpu_check.py cuda triton
-step 150 paper-fused env BST_FAST_FUSED_CE=1 python3 bench/paper_speed.py --device cuda --shape paper \
+# the float64 checks with fused_ce, relu_in_gemm and hidden_sums on (the cases' V = 101, 3001, 64, 77
+# and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer heads), then
+# Table 3's BST columns with them
+step 120 check-fused env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 \
+    python3 bench/gpu_check.py cuda triton
+step 150 paper-fused env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 python3 bench/paper_speed.py --device cuda --shape paper \
     --columns bst-original bst-improved --out "$out/$slug-fused"
 # Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
 # the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 for both)

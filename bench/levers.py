@@ -27,6 +27,10 @@ becomes the default. The settings (LEVERS):
   (kernels/logits_cross_entropy.py; prediction: the logits' separate passes, the cross-entropy's
   read and write and the column sum's read, go for a Triton GEMM in place of cuBLAS's: 28.4 ms to
   about 20-23 at this shape); with vocab_pad=128 (full column blocks) and with a 512 MB chunk;
+- "relu_in_gemm", "hidden_sums" (a head with hidden layers only: --layers 3, the paper's relu head
+  with --activation relu): a relu hidden layer's activation in cuBLASLt's GEMM epilogue, and the
+  hidden layers' activation gradient with their bias sums in one kernel (prediction: about 9 of the
+  BST original's ~19 ms of hidden-layer elementwise passes a step go); and all three together;
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
@@ -77,6 +81,10 @@ LEVERS = {
     "fused_ce": (dict(fused_ce=True), False),
     "fused_ce+vocab_pad=128": (dict(fused_ce=True, vocab_pad=128), False),
     "fused_ce+chunk=512MB": (dict(fused_ce=True, triton_chunk_bytes=512 * MB), False),
+    "relu_in_gemm": (dict(relu_in_gemm=True), False),
+    "hidden_sums": (dict(hidden_sums=True), False),
+    "relu_in_gemm+hidden_sums": (dict(relu_in_gemm=True, hidden_sums=True), False),
+    "fused_ce+relu_in_gemm+hidden_sums": (dict(fused_ce=True, relu_in_gemm=True, hidden_sums=True), False),
     "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),
@@ -98,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--activation", default="gelu", help="the TextHead's (the paper's head: relu)")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
@@ -110,7 +119,7 @@ def main(argv=None):
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     B, T, m, V = args.batch, args.T, args.d_model, args.vocab
-    head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers).to(dev, dtype)
+    head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers, activation=args.activation).to(dev, dtype)
     f = torch.randn(B, T, m, generator=g).to(dev, dtype).requires_grad_()
     b = torch.randn(B, T, m, generator=g).to(dev, dtype).requires_grad_()
     tokens = torch.randint(0, V, (B, T), generator=g).to(dev)

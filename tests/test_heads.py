@@ -368,12 +368,13 @@ def test_switches_come_from_the_environment(monkeypatch):
                         ("BST_FAST_TORCH_COMPILE", "1"), ("BST_FAST_TORCH_UNFUSED_SWIGLU", "1"),
                         ("BST_FAST_BIAS_IN_GEMM", "1"), ("BST_FAST_VOCAB_PAD", "128"),
                         ("BST_FAST_STRUCTURED_SUMS", "1"), ("BST_FAST_DEVICE_SAMPLER", "1"),
-                        ("BST_FAST_CE_BIAS_SUMS", "1"), ("BST_FAST_FUSED_CE", "1")):
+                        ("BST_FAST_CE_BIAS_SUMS", "1"), ("BST_FAST_FUSED_CE", "1"), ("BST_FAST_RELU_IN_GEMM", "1"),
+                        ("BST_FAST_HIDDEN_SUMS", "1")):
         monkeypatch.setenv(name, value)
     assert runtime.Switches.from_environment() == runtime.Switches(
         triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False,
         bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True, ce_bias_sums=True,
-        fused_ce=True)
+        fused_ce=True, relu_in_gemm=True, hidden_sums=True)
     with runtime.switched(chunk_pairs=5):
         assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches.chunk_pairs == 5
     assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches is runtime.SWITCHES

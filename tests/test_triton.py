@@ -427,7 +427,7 @@ def test_cross_entropy_wrapper_refuses_bad_buffers():
         call(loss_rows=torch.empty(5))
     with pytest.raises(ValueError, match="loss_rows"):
         call(loss_rows=torch.empty(n, dtype=torch.float64))
-    for bad in (torch.zeros(rows, 4 * V)[:, : 2 * V], torch.zeros(2 * V, rows).t(),
+    for bad in (torch.zeros(rows, 4 * V)[:, : 2 * V], torch.zeros(2 * V, rows).t(), torch.zeros(rows, 2 * V)[:, :3],
                 torch.zeros(rows, 2 * V, dtype=torch.bfloat16), torch.zeros(rows - 1, 2 * V)):
         with pytest.raises(ValueError, match="dc_part must be a contiguous float32"):
             call(dc_part=bad)
@@ -562,6 +562,7 @@ def test_logits_cross_entropy_wrapper_refuses_bad_buffers():
                        (dict(Z=torch.empty(n, 2 * V, dtype=torch.bfloat16)), "Z must be a contiguous"),
                        (dict(Z=torch.empty(2 * V, n).t()), "Z must be a contiguous"), (dict(Z=None), "Z must be"),
                        (dict(dc_part=torch.empty(0, 2 * V)), "dc_part must be"),
+                       (dict(dc_part=torch.empty(1, 4 * V)[:, :3]), "dc_part must be"),  # a narrow view: the kernel writes 2V columns
                        (dict(dc_part=torch.empty(1, 2 * V, dtype=torch.float64)), "dc_part must be"),
                        (dict(need=False), "Z and dc_part must be None")):
         with pytest.raises(ValueError, match=match):
@@ -602,6 +603,61 @@ def test_fused_ce(chunk, fold, dtype, opts, chunk_pairs, monkeypatch):
                                   **gen) if dtype == torch.float32 else None
     if nloss is not None:
         assert calls and not any(calls) and _rel(nloss, loss) < 1e-5
+
+
+@pytest.mark.parametrize("activation,dtype,n,h,from_output", [
+    ("gelu", torch.float32, 13, 20, False), ("relu", torch.bfloat16, 6, 16, True), ("silu", torch.float16, 1, 7, False),
+    ("leaky_relu", torch.float32, 17, 33, False), ("gelu_tanh", torch.bfloat16, 12, 5, False)])
+def test_act_grad_sums_kernel_against_aten(activation, dtype, n, h, from_output):
+    """act_grad_sums_ (the switch hidden_sums): dH * act'(Z) in place as aten's activation backward
+    computes it (float32 math, rounded once), relu's from its output H, and the column sums of
+    what it wrote, for row and column counts that are not multiples of the blocks, with row strides."""
+    from bst_fast.backends.launch import hidden_grad_config
+    from bst_fast.head import activation as act, activation_grad
+    from bst_fast.kernels.activation import ACT, interpreted_bf16
+    from bst_fast.kernels.hidden_grad import act_grad_sums_, hidden_grad_programs
+
+    g = torch.Generator().manual_seed(n * 100 + h)
+    Z = (torch.randn(n, h + 3, generator=g) * 2).to(dtype)[:, :h]  # rows ld = h + 3 apart
+    dH = torch.randn(n, h + 5, generator=g).to(dtype)[:, :h]
+    want = activation_grad(activation, dH.float(), Z.float()).to(dtype)
+    cfg = hidden_grad_config("cpu", h)
+    parts = torch.full((hidden_grad_programs(n, cfg) + 1, h), float("nan"))
+    got = act_grad_sums_(dH, act(activation, Z) if from_output else Z, ACT[activation], parts, cfg,
+                         interpreted_bf16(dtype))
+    assert _rel(dH, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert got.shape == (hidden_grad_programs(n, cfg), h)
+    assert _rel(got.sum(0), dH.double().sum(0)) < 1e-6  # the sums of the gradient as written
+    with pytest.raises(ValueError, match="dc_part must be a contiguous float32"):
+        act_grad_sums_(dH, Z, ACT[activation], parts[:, :3], cfg, False)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        act_grad_sums_(dH, Z.double(), ACT[activation], parts, cfg, False)
+
+
+@pytest.mark.parametrize("activation,dtype,switches", [
+    ("relu", torch.float32, dict(relu_in_gemm=True)), ("relu", torch.bfloat16, dict(relu_in_gemm=True, hidden_sums=True)),
+    ("gelu", torch.float32, dict(hidden_sums=True)), ("relu", torch.float32, dict(hidden_sums=True, bias_in_gemm=True)),
+    ("silu", torch.float16, dict(relu_in_gemm=True, hidden_sums=True, fused_ce=True))])
+def test_hidden_layer_levers(activation, dtype, switches, chunk_pairs, monkeypatch):
+    """Switches.relu_in_gemm (a relu hidden layer's activation in its GEMM; no effect on another
+    activation) and hidden_sums (the activation gradient with the bias sums in one kernel), alone and
+    with the other levers, against the defaults and float64, two hidden layers of different widths."""
+    f, b, tokens, head = _inputs(2, 9, 5, 19, hidden=[12, 10, 9], n_layers=4, activation=activation, seed=27)
+    chunk_pairs(7)
+    opts = dict(lengths=torch.tensor([9, 6]), next_weight=0.3)
+    loss, grads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    calls, gemm_relu = [], []
+    real, real_gemm = triton_backend.act_grad_sums_, torch._addmm_activation
+    monkeypatch.setattr(triton_backend, "act_grad_sums_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: gemm_relu.append(1) or real_gemm(*a, **k))
+    switch(monkeypatch, **switches)
+    _check(f, b, tokens, head, dtype=dtype, **opts)
+    rloss, rgrads = _run(f, b, tokens, head, dtype, 1.0, backend="triton", **opts)
+    assert bool(calls) == switches.get("hidden_sums", False)  # two hidden layers a chunk went through it
+    assert bool(gemm_relu) == (switches.get("relu_in_gemm", False) and activation == "relu")
+    assert _rel(rloss, loss) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for x, y in zip(grads, rgrads):
+        assert _rel(y, x) < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("documents", [None, "ids", "separated"])
@@ -794,7 +850,8 @@ from triton.compiler import ASTSource
 from bst_fast.kernels.pair_hidden import pair_hidden_kernel, prefix_grad_kernel, structured_grad_kernel, suffix_grad_kernel
 from bst_fast.kernels.cross_entropy import pair_cross_entropy_kernel
 from bst_fast.kernels.logits_cross_entropy import pair_logits_ce_kernel
-from bst_fast.backends.launch import chunk_config, gather_config, logits_ce_config
+from bst_fast.kernels.hidden_grad import act_grad_sums_kernel
+from bst_fast.backends.launch import chunk_config, gather_config, hidden_grad_config, logits_ce_config
 from bst_fast.backends.runtime import SWITCHES
 from bst_fast.kernels.activation import NO_ACT, SWIGLU
 import torch
@@ -804,7 +861,7 @@ try:
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
 INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet",
-        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows", "K", "ldw", "nloss"}  # the rest are pointers or floats
+        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows", "K", "ldw", "nloss", "ldd"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "jlo": "*i32", "alo": "*i32", "tok": "*i64", "seg_off": "*i64",
          "pre_off": "*i64", "suf_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
@@ -847,12 +904,23 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
             # at these sizes: pointers and multiples of 16 marked (ldz = 2V, ldh = ldw = K)
             K = widths[-1]
             lce = logits_ce_config("cuda", dtype, K)
-            sizes = dict(K=K, ldh=K, ldw=K, ldz=2 * V)
+            vec, vec_k = (8 if V % 8 == 0 else 1), (8 if K % 8 == 0 else 1)  # the wrapper's: sizes arrive divided
+            sizes = dict(K=K // vec_k, ldh=K // vec_k, ldw=K // vec_k, ldz=2 * V // vec, V=V // vec, hoff=V // vec)
             launches += tuple((pair_logits_ce_kernel, dict(NEED_GRAD=need, BM=lce["lce_BM"], BN=lce["lce_BN"], BK=lce["lce_BK"],
-                                                           EVEN_K=K % lce["lce_BK"] == 0, ALIGNED=V % 8 == 0,
-                                                           ALIGNED_K=K % 8 == 0, UP=False, IEEE=dtype == torch.float32,
-                                                           MEET=meet), lce["lce_warps"], "*fp32", lce["lce_stages"], sizes)
+                                                           EVEN_K=K % lce["lce_BK"] == 0, VEC=vec, VEC_K=vec_k, UP=False,
+                                                           IEEE=dtype == torch.float32, MEET=meet),
+                               lce["lce_warps"], "*fp32", lce["lce_stages"], sizes)
                               for need, meet in ((True, False), (True, True), (False, False)))
+            # a hidden layer's activation gradient with its bias sums (the switch hidden_sums), relu and gelu
+            hg = hidden_grad_config("cuda", widths[0])
+            launches += tuple((act_grad_sums_kernel, dict(ACT=a, BR=hg["hg_rows"], BH=hg["hg_block"], STEPS=hg["hg_steps"],
+                                                          UP=False), hg["hg_warps"], "*fp32") for a in (0, 2))
+            # and a K no multiple of 8 (rows not 16-byte aligned: the smaller block)
+            lce = logits_ce_config("cuda", dtype, 30)
+            launches += ((pair_logits_ce_kernel, dict(NEED_GRAD=True, BM=lce["lce_BM"], BN=lce["lce_BN"], BK=lce["lce_BK"],
+                                                      EVEN_K=False, VEC=vec, VEC_K=1, UP=False,
+                                                      IEEE=dtype == torch.float32, MEET=True),
+                          lce["lce_warps"], "*fp32", lce["lce_stages"], dict(sizes, K=30, ldh=30, ldw=30)),)
         for fn, consts, warps, table, *launch in launches:
             stages, sizes = launch if launch else (None, {})
             sig, marked = {}, []

@@ -31,17 +31,30 @@ def logits_ce_config(device_type: str, dtype, K: int) -> dict:
             return dict(lce_BM=32, lce_BN=64, lce_BK=16, lce_warps=4, lce_stages=2)
         # Two warpgroups of wgmma on two 128 x 64 float32 accumulators (64 registers a thread), the
         # epilogue's exponentials on one at a time; 3 stages of 128 x 64 tiles of H and W are 96 KB
-        # of shared memory. ptxas (sm_90): 255 registers, no spills, so one program an SM. Per pair
-        # it reads 16 KB of W and 16 KB of H from L2 (64 x 128 on 4 warps, two programs an SM,
-        # would read 48 KB). Where 64 does not divide K the K-loop's masks spilled (764 bytes at
-        # K = 200): blocks of 128 x 64 logits and K-steps of 32 instead. bench/logits_ce.py times
-        # the shapes; not yet timed on a GPU.
-        if K % 64:
+        # of shared memory. ptxas (sm_90): 246-255 registers, no spills, so one program an SM. Per
+        # pair it reads 16 KB of W and 16 KB of H from L2 (64 x 128 on 4 warps, two programs an SM,
+        # would read 48 KB). Where 8 does not divide K, H's and W's rows are not 16-byte aligned and
+        # the K-loop's scalar loads spilled (764 bytes at K = 30): blocks of 128 x 64 logits and
+        # K-steps of 32 instead. bench/logits_ce.py times the shapes; not yet timed on a GPU.
+        if K % 8:
             return dict(lce_BM=128, lce_BN=64, lce_BK=32, lce_warps=8, lce_stages=3)
         return dict(lce_BM=128, lce_BN=128, lce_BK=64, lce_warps=8, lce_stages=3)
     # the interpreter: blocks of 16 rows and 2 x 16 logits (tl.dot's smallest), so that K-loops,
     # column blocks and row blocks all take several steps at the tests' sizes
     return dict(lce_BM=16, lce_BN=32, lce_BK=16, lce_warps=4, lce_stages=1)
+
+
+def hidden_grad_config(device_type: str, h: int) -> dict:
+    """Block shape of a hidden layer's activation gradient with its column sums (the switch
+    hidden_sums, kernels/hidden_grad.py) for a layer h wide: hg_block columns by hg_rows rows a
+    step, hg_steps steps a program, hg_warps warps."""
+    if device_type == "cuda":
+        # 8 x 256 elements a step on 4 warps: 16 a thread, 8 KB of dH and Z in flight a program;
+        # 64 rows a program, so at the paper's chunk (29k rows, h = 512) 920 programs and 0.9 MB of
+        # partial sums. Not timed on a GPU yet.
+        return dict(hg_rows=8, hg_block=min(256, triton.next_power_of_2(h)), hg_steps=8, hg_warps=4)
+    # the interpreter: small blocks, so that row blocks, column blocks and programs all repeat
+    return dict(hg_rows=2, hg_block=min(16, triton.next_power_of_2(h)), hg_steps=3, hg_warps=4)
 
 
 def ce_config(device_type: str, V: int) -> dict:

@@ -100,6 +100,13 @@ class Switches:
     # gradient's column sums in the epilogue (kernels/logits_cross_entropy.py), BST_FAST_FUSED_CE=1.
     # It replaces the logits GEMM, the cross-entropy kernel and the column sum; not timed on a GPU yet: off.
     fused_ce: bool = False
+    # The triton backend's relu hidden layers with the activation in the GEMM's epilogue (cuBLASLt's,
+    # torch._addmm_activation), BST_FAST_RELU_IN_GEMM=1: no separate relu pass, and the gradient
+    # reads the activation's output in place of the pre-activation. Not timed on a GPU yet: off.
+    relu_in_gemm: bool = False
+    # The triton backend's hidden layers' activation gradient and their bias gradients' column sums
+    # in one kernel (kernels/hidden_grad.py), BST_FAST_HIDDEN_SUMS=1. Not timed on a GPU yet: off.
+    hidden_sums: bool = False
 
     @classmethod
     def from_environment(cls) -> "Switches":
@@ -112,7 +119,9 @@ class Switches:
                    structured_sums=env_flag("BST_FAST_STRUCTURED_SUMS"),
                    ce_bias_sums=env_flag("BST_FAST_CE_BIAS_SUMS"),
                    device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"),
-                   fused_ce=env_flag("BST_FAST_FUSED_CE"))
+                   fused_ce=env_flag("BST_FAST_FUSED_CE"),
+                   relu_in_gemm=env_flag("BST_FAST_RELU_IN_GEMM"),
+                   hidden_sums=env_flag("BST_FAST_HIDDEN_SUMS"))
 
 
 # The switches in force: the environment's, read once when bst_fast is imported.

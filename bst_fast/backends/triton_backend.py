@@ -35,6 +35,10 @@ H100, docs/backends.md "Levers"):
   sums from the same registers: the cross-entropy kernel's read and write and the column sum's
   read of n*2V*es each go, for a Triton GEMM in place of cuBLAS's (0.55-0.89x it at plain shapes
   on the H100, bench/gemm_shapes.py).
+- relu_in_gemm: a relu hidden layer's GEMM applies the activation in cuBLASLt's epilogue
+  (torch._addmm_activation): no relu pass (a read and a write of n*h*es), no Z kept.
+- hidden_sums: a hidden layer's activation gradient with its bias gradient's partial column sums,
+  one kernel (kernels/hidden_grad.py): no column sum re-reading dZ (n*h*es).
 - vocab_pad: each half of W_L padded with zero rows to Vp, a tile multiple (V = 1000 -> 1024):
   2Vp/2V more logit FLOPs and bytes, for GEMM tiles that divide N = 2Vp. The padded logits are
   exact zeros the cross-entropy skips; their gradient rows are dropped.
@@ -59,9 +63,10 @@ from . import pair_loss_op, runtime
 from ..head import activation, activation_grad
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
+from ..kernels.hidden_grad import act_grad_sums_, hidden_grad_programs
 from ..kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
-from .launch import chunk_config
+from .launch import chunk_config, hidden_grad_config
 from .runtime import LossOptions, fused_problem, on_device
 
 NAME = "triton"
@@ -143,14 +148,25 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     if fused:
         loss_rows = torch.empty(2 * loss_rows.numel(), **f32)
         dc_part = torch.empty(logits_ce_programs(loss_rows.numel() // 2, cfg), width_L, **f32) if need else None
+    # Under relu_in_gemm a relu hidden layer's GEMM applies the activation (cuBLASLt's epilogue): its
+    # gradient reads the output H in z's place (relu'(z) = [h > 0]). Under hidden_sums a hidden
+    # layer's activation gradient also writes its bias gradient's partial column sums.
+    relu_gemm = runtime.SWITCHES.relu_in_gemm and act_name == "relu"
+    hidden_cfg = [hidden_grad_config(dev.type, w.shape[0]) for w in weights[:-1]]
+    hidden_parts = ([torch.empty(hidden_grad_programs(loss_rows.numel(), g), w.shape[0], **f32)
+                     for g, w in zip(hidden_cfg, weights[:-1])] if need and runtime.SWITCHES.hidden_sums else None)
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
         pair_hidden(A, Bm, pl, s0, n, H, act_id, cfg, up)
         Hs, Zs = [H], []
         for k, (w, c) in enumerate(zip(weights[:-1], biases[:-1])):
-            Zs.append(torch.addmm(c, Hs[-1], w.t()))
-            H = activation(act_name, Zs[-1])
+            if relu_gemm:
+                H = torch._addmm_activation(c, Hs[-1], w.t())
+                Zs.append(H)
+            else:
+                Zs.append(torch.addmm(c, Hs[-1], w.t()))
+                H = activation(act_name, Zs[-1])
             if ones:  # one more pass over a hidden layer's H, into its buffer
                 H = ones[k + 1][:n, : H.shape[1]].copy_(H)
             Hs.append(H)
@@ -166,9 +182,12 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
             continue
         dH = Z
         for k in range(len(weights) - 1, -1, -1):
-            if k < len(weights) - 1:
-                dH = activation_grad(act_name, dH, Zs[k])  # dZ of hidden layer k + 2
             made = last_dc if k == len(weights) - 1 else None  # the cross-entropy's partial sums of dc_L
+            if k < len(weights) - 1:  # dZ of hidden layer k + 2 (and its bias gradient's partial sums)
+                if hidden_parts:
+                    made = act_grad_sums_(dH, Zs[k], act_id, hidden_parts[k], hidden_cfg[k], up)
+                else:
+                    dH = activation_grad(act_name, dH, Zs[k])
             if ones and made is None:
                 width = Hs[k].shape[1]
                 g = _mm_f32(dH.t(), ones[k][:n])

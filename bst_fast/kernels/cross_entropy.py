@@ -183,7 +183,8 @@ def pair_cross_entropy_(Z, tok, pl, s0, lam, gscale, need, loss_rows, cfg, up, V
         steps = _sum_steps(cfg)
         programs = ce_sum_programs(n, cfg)
         if (dc_part.dtype != torch.float32 or dc_part.device != Z.device or dc_part.dim() != 2
-                or dc_part.stride() != (2 * hoff, 1) or dc_part.shape[0] < programs):
+                or dc_part.stride() != (2 * hoff, 1) or dc_part.shape[0] < programs
+                or dc_part.shape[1] != 2 * hoff):
             raise ValueError(f"pair_cross_entropy_: dc_part must be a contiguous float32 ({programs} or more, {2 * hoff}) "
                              f"buffer on {Z.device}, got {dc_part.dtype} {tuple(dc_part.shape)} with strides "
                              f"{dc_part.stride()} on {dc_part.device}")

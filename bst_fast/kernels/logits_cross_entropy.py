@@ -116,7 +116,7 @@ def _online(z, cb, V, y, k, mx, ry, zy, Zr, live, NEED_GRAD: tl.constexpr):
 @triton.jit
 def pair_logits_ce_kernel(H, W, c, Z, tok, ia, ib, Wp, w_stride, loss, dc_part, s0, n, K, V, ldh, ldw, ldz, hoff,
                           nloss, lam, gscale, meet, NEED_GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, ALIGNED_K: tl.constexpr,
+                          BK: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, VEC_K: tl.constexpr,
                           UP: tl.constexpr, IEEE: tl.constexpr, MEET: tl.constexpr):
     # Program pid: rows (pid // 2) * BM + [0, BM), half pid % 2 (the two halves of a row block run
     # side by side and share its H rows in L2), columns in blocks of BN as two (BM, BN / 2) halves.
@@ -125,16 +125,11 @@ def pair_logits_ce_kernel(H, W, c, Z, tok, ia, ib, Wp, w_stride, loss, dc_part, 
     # dc_part[pid // 2, half * hoff + col] <- the column sums of the program's gradient (zero in
     # padded columns). The row block's base offsets are int64, offsets within it int32 (BM rows of
     # ldh or ldz, and W's 2 hoff rows of ldw, are far below 2**31).
-    # Triton's launcher marks integers that are multiples of 16; V = 1000 (and K = 200) are multiples
-    # of 8 only, enough for 16-byte vectors of 16-bit values, which these hints restore.
-    if ALIGNED:  # V, hoff, ldz multiples of 8: a column mask is constant over 8 logits
-        V = tl.multiple_of(V, 8)
-        hoff = tl.multiple_of(hoff, 8)
-        ldz = tl.multiple_of(ldz, 8)
-    if ALIGNED_K:  # K, ldh, ldw multiples of 8: rows of H and W start 16-byte aligned
-        K = tl.multiple_of(K, 8)
-        ldh = tl.multiple_of(ldh, 8)
-        ldw = tl.multiple_of(ldw, 8)
+    # V, hoff and ldz arrive divided by VEC, and K, ldh and ldw by VEC_K (8 where it divides them all,
+    # else 1): Triton's launcher marks only multiples of 16 (V = 1000 and K = 200 are multiples of 8),
+    # and a product by the constant restores what 16-byte vectors of 16-bit logits need to know.
+    V, hoff, ldz = V * VEC, hoff * VEC, ldz * VEC
+    K, ldh, ldw = K * VEC_K, ldh * VEC_K, ldw * VEC_K
     BS: tl.constexpr = BN // 2
     pid = tl.program_id(0)
     half = pid % 2
@@ -216,26 +211,32 @@ def pair_logits_cross_entropy_(H, W, c, Z, tok, pl, s0, lam, gscale, need, loss_
     if loss_rows.dtype != torch.float32 or loss_rows.dim() != 1 or loss_rows.stride(0) != 1 or loss_rows.numel() < 2 * n:
         raise ValueError(f"pair_logits_cross_entropy_: loss_rows must be a contiguous float32 vector of at least "
                          f"{2 * n} rows, got {loss_rows.dtype} {tuple(loss_rows.shape)} with strides {loss_rows.stride()}")
+    if 2 * hoff * W.stride(0) >= 2**31 or cfg["lce_BM"] * max(H.stride(0), 2 * hoff) >= 2**31:
+        raise ValueError(f"pair_logits_cross_entropy_: W {tuple(W.shape)} (row stride {W.stride(0)}) or a block of "
+                         f"{cfg['lce_BM']} rows of H or Z is past the kernel's 32-bit offsets: turn fused_ce off")
     programs = logits_ce_programs(n, cfg)
     if need:
         if Z is None or Z.dtype != H.dtype or Z.device != H.device or Z.shape != (n, 2 * hoff) or not Z.is_contiguous():
             raise ValueError(f"pair_logits_cross_entropy_: Z must be a contiguous ({n}, {2 * hoff}) {H.dtype} buffer on "
                              f"{H.device}, got {None if Z is None else (Z.dtype, tuple(Z.shape), Z.stride(), Z.device)}")
         if (dc_part is None or dc_part.dtype != torch.float32 or dc_part.device != H.device or dc_part.dim() != 2
-                or dc_part.stride() != (2 * hoff, 1) or dc_part.shape[0] < programs):
+                or dc_part.stride() != (2 * hoff, 1) or dc_part.shape[0] < programs
+                or dc_part.shape[1] != 2 * hoff):
             raise ValueError(f"pair_logits_cross_entropy_: dc_part must be a contiguous float32 ({programs} or more, "
                              f"{2 * hoff}) buffer on {H.device}, got "
                              f"{None if dc_part is None else (dc_part.dtype, tuple(dc_part.shape), dc_part.stride())}")
     elif Z is not None or dc_part is not None:
         raise ValueError("pair_logits_cross_entropy_: without need there is no gradient: Z and dc_part must be None")
     meet = pl.meet_token
+    vec = 8 if V % 8 == 0 and hoff % 8 == 0 else 1
+    vec_k = 8 if K % 8 == 0 and H.stride(0) % 8 == 0 and W.stride(0) % 8 == 0 else 1
     if n:
         pair_logits_ce_kernel[(2 * programs,)](
             H, W, c, Z if need else H, tok, pl.ia, pl.ib, pl.w, pl.w_stride, loss_rows, dc_part if need else loss_rows,
-            s0, n, K, V, H.stride(0), W.stride(0), 2 * hoff, hoff, n, float(lam), float(gscale),
+            s0, n, K // vec_k, V // vec, H.stride(0) // vec_k, W.stride(0) // vec_k, 2 * hoff // vec, hoff // vec, n,
+            float(lam), float(gscale),
             0 if meet is None else int(meet), NEED_GRAD=need, BM=cfg["lce_BM"], BN=cfg["lce_BN"], BK=cfg["lce_BK"],
-            EVEN_K=K % cfg["lce_BK"] == 0, ALIGNED=V % 8 == 0 and hoff % 8 == 0,
-            ALIGNED_K=K % 8 == 0 and H.stride(0) % 8 == 0 and W.stride(0) % 8 == 0, UP=up,
+            EVEN_K=K % cfg["lce_BK"] == 0, VEC=vec, VEC_K=vec_k, UP=up,
             IEEE=H.dtype == torch.float32, MEET=meet is not None, num_warps=cfg["lce_warps"],
             num_stages=cfg["lce_stages"])
     return loss_rows[: 2 * n].sum(), dc_part[:programs] if need else None
