@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One GPU run: build the C++ extension (the package imports it), the paper's Table 3 with the
-# project's trainer (bench/paper_speed.py), then time the backends against the naive materialised
-# objective at the GPU issues' shapes, check them against float64, profile training steps and run
-# the cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU
+# One GPU run: build the C++ extension (the package imports it), time and check the levers not yet
+# timed on a GPU (the fused last layer, the hidden layers'), the paper's Table 3 with the project's
+# trainer (bench/paper_speed.py), then time the backends against the naive materialised objective at
+# the GPU issues' shapes, check them against float64, profile training steps and run the
+# cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU
 # (paper_speed's table in <results>/<card slug>/paper_speed.{json,md}). Steps are ordered by what
 # matters most, each under its own timeout, and the whole run keeps to BUDGET seconds (default 570:
 # one 10-minute device call): a step's timeout is cut to what is left, and a step with under 30 s
-# left is skipped and named at the end (the build's and the steps' timeouts add up to about 32 min,
-# QUICK=1 28: a default run gets through the build, paper, check and a few more; name others with
+# left is skipped and named at the end (the steps' timeouts add up to far more than one call: a
+# default run gets through the build, the levers' steps and the paper's table; name others with
 # STEPS, or raise BUDGET where there is time).
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
@@ -16,16 +17,17 @@
 #   BUDGET=1500 bash bench/gpu.sh                          # a longer run: every step
 #
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
-# ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off):
+# ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off).
+# The untimed levers of issue 23, about 7 minutes:
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="paper levers segments gemm check check-levers packed" timeout 590 bash bench/gpu.sh
+#       STEPS="lce check-fused levers-paper paper-fused" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper levers levers-paper lce check-fused paper-fused paper-compiled ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="lce check-fused levers-paper paper-fused paper paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -59,32 +61,34 @@ echo "== $name: build"
 MAX_JOBS=$(nproc) timeout 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
     echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+# The untimed levers first (issue 23; docs/backends.md "Levers"), cheapest and most decisive first.
+# The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
+# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
+step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
+# the float64 checks with fused_ce, relu_in_gemm and hidden_sums on (the cases' V = 101, 3001, 64, 77
+# and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer heads)
+F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1"
+step 120 check-fused $F python3 bench/gpu_check.py cuda triton
+# the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
+# paper's encoders' width, each against the defaults, interleaved
+step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
+    --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
+    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums --out "$out/$slug-levers-paper"
+# Table 3's BST columns with the switches as they are, then with the three levers on: side by side in one run
+step 200 paper-fused bash -c "python3 bench/paper_speed.py --device cuda --shape paper --columns bst-original \
+    bst-improved --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-original bst-improved --out $out/$slug-fused"
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
+# Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
+# the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 ...)
+step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \
+    --out "$out/$slug-compiled"
 # the pair loss's levers (runtime switches, off unless timed faster here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 # (LEVERS="default fused_ce ...": only those, names without spaces)
 step 120 levers python3 bench/levers.py --device cuda --reps 9 ${LEVERS:+--levers $LEVERS} --out "$out/$slug"
-# the levers at the paper's head (3 x 512, relu: the hidden layer's levers apply) on 32 rows of the
-# paper's encoders' width
-step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
-    --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
-    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums --out "$out/$slug-levers-paper"
-# the last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
-# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked
-step 60 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
-# the float64 checks with fused_ce, relu_in_gemm and hidden_sums on (the cases' V = 101, 3001, 64, 77
-# and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer heads), then
-# Table 3's BST columns with them
-step 120 check-fused env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 \
-    python3 bench/gpu_check.py cuda triton
-step 150 paper-fused env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-original bst-improved --out "$out/$slug-fused"
-# Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
-# the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 for both)
-step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \
-    --out "$out/$slug-compiled"
 # the cross-entropy kernel alone on one chunk of the paper's step, under its launch shapes (one row
 # a program with two passes, as before; blocks of rows), with and without the column sums
 # (ce_bias_sums), and torch's column sum; then a chunk at V = 32000 (halves of several blocks)
