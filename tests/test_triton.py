@@ -630,6 +630,12 @@ def test_act_grad_sums_kernel_against_aten(activation, dtype, n, h, from_output)
     assert _rel(got.sum(0), dH.double().sum(0)) < 1e-6  # the sums of the gradient as written
     with pytest.raises(ValueError, match="dc_part must be a contiguous float32"):
         act_grad_sums_(dH, Z, ACT[activation], parts[:, :3], cfg, False)
+    if activation == "relu":  # NaN and inf as aten's threshold_backward has them: a dead unit's gradient is 0
+        z = torch.tensor([[-1.0, 0.0, 2.0, float("nan"), float("inf"), -float("inf"), 1.0, -2.0]])
+        d = torch.tensor([[float("nan"), float("inf"), 1.0, 1.0, 1.0, 1.0, float("nan"), float("inf")]])
+        want = activation_grad("relu", d, z)
+        act_grad_sums_(d, z, ACT["relu"], torch.empty(1, 8), hidden_grad_config("cpu", 8), False)
+        assert torch.equal(d.isnan(), want.isnan()) and torch.equal(d.nan_to_num(), want.nan_to_num())
     with pytest.raises(ValueError, match="one shape and dtype"):
         act_grad_sums_(dH, Z.double(), ACT[activation], parts, cfg, False)
 
@@ -912,9 +918,10 @@ for dtype, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.fl
                                lce["lce_warps"], "*fp32", lce["lce_stages"], sizes)
                               for need, meet in ((True, False), (True, True), (False, False)))
             # a hidden layer's activation gradient with its bias sums (the switch hidden_sums), relu and gelu
-            hg = hidden_grad_config("cuda", widths[0])
+            hg, hv = hidden_grad_config("cuda", widths[0]), widths[0] // 8  # h, ldd, ldz arrive divided by 8
             launches += tuple((act_grad_sums_kernel, dict(ACT=a, BR=hg["hg_rows"], BH=hg["hg_block"], STEPS=hg["hg_steps"],
-                                                          UP=False), hg["hg_warps"], "*fp32") for a in (0, 2))
+                                                          VEC=8, UP=False), hg["hg_warps"], "*fp32", None,
+                               dict(h=hv, ldd=hv, ldz=hv)) for a in (0, 2))
             # and a K no multiple of 8 (rows not 16-byte aligned: the smaller block)
             lce = logits_ce_config("cuda", dtype, 30)
             launches += ((pair_logits_ce_kernel, dict(NEED_GRAD=True, BM=lce["lce_BM"], BN=lce["lce_BN"], BK=lce["lce_BK"],

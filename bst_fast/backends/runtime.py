@@ -102,7 +102,8 @@ class Switches:
     fused_ce: bool = False
     # The triton backend's relu hidden layers with the activation in the GEMM's epilogue (cuBLASLt's,
     # torch._addmm_activation), BST_FAST_RELU_IN_GEMM=1: no separate relu pass, and the gradient
-    # reads the activation's output in place of the pre-activation. Not timed on a GPU yet: off.
+    # reads the activation's output in place of the pre-activation. cuBLASLt's epilogue may turn a NaN
+    # pre-activation into 0 where torch.relu keeps it (not checked on a GPU). Not timed yet: off.
     relu_in_gemm: bool = False
     # The triton backend's hidden layers' activation gradient and their bias gradients' column sums
     # in one kernel (kernels/hidden_grad.py), BST_FAST_HIDDEN_SUMS=1. Not timed on a GPU yet: off.

@@ -130,30 +130,31 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     dW = [torch.zeros(w.shape, **f32) for w in weights] if need else []
     dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
     loss = torch.zeros((), **f32)
-    loss_rows = torch.empty(max((c.n for c in pl.chunks), default=1), **f32)
+    nmax = max((c.n for c in pl.chunks), default=1)  # the longest chunk's pairs
+    loss_rows = torch.empty(nmax, **f32)
     # Under bias_in_gemm each layer's input H_k sits in the first columns of a buffer with a ones
     # column (_ones_column; one for all chunks, filled once): dW_k's GEMM over the whole buffer then
     # yields dc_k, the column sum of dZ_k, as its extra output column, and no separate column sum
     # re-reads dZ_k (for the last layer, the (n, 2V) logits gradient).
     fold = runtime.SWITCHES.bias_in_gemm
-    ones = [_ones_column(loss_rows.numel(), w.shape[1], dtype, dev) for w in weights] if fold and need else None
+    ones = [_ones_column(nmax, w.shape[1], dtype, dev) for w in weights] if fold and need else None
     # Under ce_bias_sums the cross-entropy also writes the last layer's bias gradient, as partial
     # column sums of cfg's ce_sum_rows rows each, where a half fits one block
     sums_ce = need and runtime.SWITCHES.ce_bias_sums and V <= cfg["BV"]
     width_L = weights[-1].shape[0]  # 2V, or 2Vp padded: the partial rows are laid out as the logits
-    dc_part = torch.zeros(ce_sum_programs(loss_rows.numel(), cfg), width_L, **f32) if sums_ce else None
+    dc_part = torch.zeros(ce_sum_programs(nmax, cfg), width_L, **f32) if sums_ce else None
     # Under fused_ce the last layer's GEMM, the cross-entropy and dc_L's partial sums are one kernel
     # (its loss rows: a half each)
     fused = runtime.SWITCHES.fused_ce
     if fused:
-        loss_rows = torch.empty(2 * loss_rows.numel(), **f32)
-        dc_part = torch.empty(logits_ce_programs(loss_rows.numel() // 2, cfg), width_L, **f32) if need else None
+        loss_rows = torch.empty(2 * nmax, **f32)
+        dc_part = torch.empty(logits_ce_programs(nmax, cfg), width_L, **f32) if need else None
     # Under relu_in_gemm a relu hidden layer's GEMM applies the activation (cuBLASLt's epilogue): its
     # gradient reads the output H in z's place (relu'(z) = [h > 0]). Under hidden_sums a hidden
     # layer's activation gradient also writes its bias gradient's partial column sums.
     relu_gemm = runtime.SWITCHES.relu_in_gemm and act_name == "relu"
     hidden_cfg = [hidden_grad_config(dev.type, w.shape[0]) for w in weights[:-1]]
-    hidden_parts = ([torch.empty(hidden_grad_programs(loss_rows.numel(), g), w.shape[0], **f32)
+    hidden_parts = ([torch.empty(hidden_grad_programs(nmax, g), w.shape[0], **f32)
                      for g, w in zip(hidden_cfg, weights[:-1])] if need and runtime.SWITCHES.hidden_sums else None)
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n

@@ -28,8 +28,11 @@ from .activation import act_grad, cast
 
 @triton.jit
 def act_grad_sums_kernel(dH, Z, dc_part, n, h, ldd, ldz, ACT: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
-                         STEPS: tl.constexpr, UP: tl.constexpr):
+                         STEPS: tl.constexpr, VEC: tl.constexpr, UP: tl.constexpr):
     # Program (pr, ph): columns ph * BH + [0, BH), rows (pr * STEPS + st) * BR + [0, BR), st < STEPS.
+    # h, ldd and ldz arrive divided by VEC (8 where it divides them all, else 1): Triton's launcher
+    # marks only multiples of 16, and h = 200 rows of 16-bit values still move as 16-byte vectors.
+    h, ldd, ldz = h * VEC, ldd * VEC, ldz * VEC
     pr = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     cm = cols < h
@@ -39,7 +42,10 @@ def act_grad_sums_kernel(dH, Z, dc_part, n, h, ldd, ldz, ACT: tl.constexpr, BR: 
         m = (r < n)[:, None] & cm[None, :]
         g = tl.load(dH + r[:, None] * ldd + cols[None, :], mask=m, other=0.0).to(tl.float32)
         z = tl.load(Z + r[:, None] * ldz + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        d = cast(g * act_grad(z, ACT), dH.dtype.element_ty, UP)
+        if ACT == 0:  # relu as aten's threshold_backward selects: a NaN or inf gradient of a dead unit is 0
+            d = cast(tl.where(z <= 0, 0.0, g), dH.dtype.element_ty, UP)
+        else:
+            d = cast(g * act_grad(z, ACT), dH.dtype.element_ty, UP)
         tl.store(dH + r[:, None] * ldd + cols[None, :], d, mask=m)
         acc += tl.sum(tl.where(m, d.to(tl.float32), 0.0), axis=0)
     tl.store(dc_part + pr * h + cols, acc, mask=cm)
@@ -67,8 +73,9 @@ def act_grad_sums_(dH, Z, act_id: int, dc_part, cfg, up):
         raise ValueError(f"act_grad_sums_: dc_part must be a contiguous float32 ({programs} or more, {h}) buffer on "
                          f"{dH.device}, got {dc_part.dtype} {tuple(dc_part.shape)} strides {dc_part.stride()} on "
                          f"{dc_part.device}")
+    vec = 8 if h % 8 == 0 and dH.stride(0) % 8 == 0 and Z.stride(0) % 8 == 0 else 1
     if n:
         act_grad_sums_kernel[(programs, triton.cdiv(h, cfg["hg_block"]))](
-            dH, Z, dc_part, n, h, dH.stride(0), Z.stride(0), ACT=act_id, BR=cfg["hg_rows"], BH=cfg["hg_block"],
-            STEPS=cfg["hg_steps"], UP=up, num_warps=cfg["hg_warps"])
+            dH, Z, dc_part, n, h // vec, dH.stride(0) // vec, Z.stride(0) // vec, ACT=act_id, BR=cfg["hg_rows"],
+            BH=cfg["hg_block"], STEPS=cfg["hg_steps"], VEC=vec, UP=up, num_warps=cfg["hg_warps"])
     return dc_part[:programs]
