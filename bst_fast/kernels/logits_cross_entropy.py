@@ -20,19 +20,25 @@ pair_cross_entropy_kernel); the labels, weights and meet pairs come from the sam
 
 Cost model per pair (K = hL, V a half, es the compute dtype's bytes; the paper's chunk: n ~ 29k,
 K = 512, V = 1000, bf16):
-- FLOPs: 2 K 2V on the tensor cores (the unfused logits GEMM's), + about 15 per logit of softmax.
+- FLOPs: 2 K 2V on the tensor cores (the unfused logits GEMM's); 2 exponentials and about 30 other
+  instructions a logit in the epilogues: ~60 us of issue a chunk on 132 SMs, which one program an
+  SM cannot hide behind its own wgmma (64 x 128 blocks on 4 warps fit two programs an SM).
 - HBM: dz written, 2V es (4 KB). z is written in pass 1 and read back in pass 2 while it is likely
-  still in L2 (a program's BM x V block is 256 KB at BM = 128; ~2 programs an SM on 132 SMs hold
-  ~67 MB against the H100's 50 MB L2, so part of it makes the round trip: at worst 2 x 2V es more).
-  The unfused path moves 4 x 2V es here (the GEMM's write of Z, the cross-entropy's read and
-  write, the column sum's read): 47 + ~26 ms of the H100's 408 ms BST-original step.
+  still in L2: a program's BM x V block is 256 KB at BM = 128, one program an SM (255 registers)
+  holds ~34 MB of the H100's 50 MB L2. The unfused path moves 4 x 2V es here (the GEMM's write of
+  Z, the cross-entropy's read and write, the column sum's read): 47 + ~26 ms of the H100's 408 ms
+  BST-original step.
 - L2 reads: a program reads all of its half's W (V K es = 1 MB) and its H rows once per column
   block, about 2V K es / BM + K es 2V / BN = 16 + 16 KB a pair at BM = BN = 128: cuBLAS's 256 x 152
   tiles read ~21 KB. Loss and partial sums: 8 bytes a pair, 8V bytes a program. No atomics: every
   output has one writer, in a fixed order (bitwise reproducible).
-- Registers: the BM x BN float32 accumulator (64 a thread at 128 x 128 on 8 warps) plus the
-  epilogue's exponentials; the sm_90 compile test bounds them and checks for wgmma and spills.
-Not timed on a GPU yet: bench/levers.py's fused_ce row measures it against the unfused path.
+- Registers: a BM x BN block is two BM x BN/2 float32 accumulators fed by one K-loop (64 a thread at
+  128 x 128 on 8 warps), so the epilogue's temporaries cover half a block at a time; with the
+  label comparison kept inside the loop and V, K and the strides passed divided by 8 (16-byte
+  vectors), ptxas (sm_90) reports 246-255 registers and no spills, and wgmma.
+- Prediction: 130-200 us a chunk of the paper's step against the unfused 86 + 164 + ~90 us (GEMM,
+  cross-entropy, column sums): 40-60 ms less a step. Not timed on a GPU yet: bench/logits_ce.py
+  and bench/levers.py's fused_ce rows measure it against the unfused path.
 """
 import torch
 import triton
