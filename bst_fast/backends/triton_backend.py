@@ -138,14 +138,13 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     # re-reads dZ_k (for the last layer, the (n, 2V) logits gradient).
     fold = runtime.SWITCHES.bias_in_gemm
     ones = [_ones_column(nmax, w.shape[1], dtype, dev) for w in weights] if fold and need else None
-    # Under ce_bias_sums the cross-entropy also writes the last layer's bias gradient, as partial
-    # column sums of cfg's ce_sum_rows rows each, where a half fits one block
-    sums_ce = need and runtime.SWITCHES.ce_bias_sums and V <= cfg["BV"]
+    # Under fused_ce the last layer's GEMM, the cross-entropy and dc_L's partial sums are one kernel
+    # (its loss rows: a half each). Else, under ce_bias_sums, the cross-entropy also writes dc_L as
+    # partial column sums of cfg's ce_sum_rows rows each, where a half fits one block.
+    fused = runtime.SWITCHES.fused_ce
+    sums_ce = need and not fused and runtime.SWITCHES.ce_bias_sums and V <= cfg["BV"]
     width_L = weights[-1].shape[0]  # 2V, or 2Vp padded: the partial rows are laid out as the logits
     dc_part = torch.zeros(ce_sum_programs(nmax, cfg), width_L, **f32) if sums_ce else None
-    # Under fused_ce the last layer's GEMM, the cross-entropy and dc_L's partial sums are one kernel
-    # (its loss rows: a half each)
-    fused = runtime.SWITCHES.fused_ce
     if fused:
         loss_rows = torch.empty(2 * nmax, **f32)
         dc_part = torch.empty(logits_ce_programs(nmax, cfg), width_L, **f32) if need else None
