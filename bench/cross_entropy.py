@@ -37,8 +37,9 @@ from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 SHAPES = [(1, 4, False), (1, 4, True), (2, 8, True), (4, 8, True), (4, 16, True)]  # 8 x 16 spilled (ptxas sm_90)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def chunk_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a bench on one chunk of the paper's step (this one and bench/logits_ce.py)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--rows", type=int, default=None,
@@ -46,7 +47,12 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = ap.parse_args()
+    return ap
+
+
+def chunk(args):
+    """(device, V, dtype, rows n, generator, flat tokens, pair list) of one chunk: n pairs (ia, ia + 2)
+    at random positions of 64 rows of 258 tokens, one weight for all."""
     dev, V, dtype = args.device, args.vocab, getattr(torch, args.dtype)
     n = args.rows or chunk_config(dev, V, [512, 512], dtype, SWITCHES)["chunk"]
     g = torch.Generator().manual_seed(0)
@@ -55,6 +61,24 @@ def main():
     ia = torch.randint(0, 64 * L - 3, (n,), generator=g)
     pl = SimpleNamespace(ia=ia.int().to(dev), ib=(ia + 2).int().to(dev), w=torch.ones(1, device=dev), w_stride=0,
                          meet_token=None)
+    return dev, V, dtype, n, g, tok, pl
+
+
+def report(title: str, rows, columns, out, **meta):
+    """Print rows fastest first as a markdown table of columns ((header, key, format) each) under
+    title, and write them with meta as JSON to out (None: not written)."""
+    print(f"# {title}\n")
+    print("| " + " | ".join(h for h, _, _ in columns) + " |\n|" + " --- |" * len(columns))
+    for row in sorted(rows, key=lambda x: x["ms"]):
+        print("| " + " | ".join(format(row[k], f) for _, k, f in columns) + " |")
+    if out:
+        with open(out, "w") as fh:
+            json.dump(dict(**meta, results=rows), fh, indent=1)
+
+
+def main():
+    args = chunk_arguments(__doc__).parse_args()
+    dev, V, dtype, n, g, tok, pl = chunk(args)
     Z0 = (torch.randn(n, 2 * V, generator=g) * 3).to(dev, dtype)
     Z, loss_rows = Z0.clone(), torch.empty(n, device=dev)
     up = interpreted_bf16(dtype)
@@ -93,14 +117,10 @@ def main():
     col = timed_s(lambda: [Z.sum(0, dtype=torch.float32) for _ in range(inner)], dev, args.reps)[0] / inner * 1e3
     rows.append(dict(shape="column sum (torch, float32)", ms=col, gb_s=gbytes / 2 / col * 1e3, err=0.0))
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)"
-    print(f"# The pair cross-entropy on one chunk: {name}, {n} rows, V = {V}, {args.dtype}, median of {args.reps} "
-          f"samples of {inner} launches\n")
-    print("| shape | ms | GB/s | max err vs the first |\n| --- | --- | --- | --- |")
-    for row in sorted(rows, key=lambda x: x["ms"]):
-        print(f"| {row['shape']} | {row['ms']:.3f} | {row['gb_s']:.0f} | {row['err']:.1e} |")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(dict(device=name, rows_per_chunk=n, V=V, dtype=args.dtype, results=rows), fh, indent=1)
+    report(f"The pair cross-entropy on one chunk: {name}, {n} rows, V = {V}, {args.dtype}, median of {args.reps} "
+           f"samples of {inner} launches", rows,
+           [("shape", "shape", ""), ("ms", "ms", ".3f"), ("GB/s", "gb_s", ".0f"), ("max err vs the first", "err", ".1e")],
+           args.out, device=name, rows_per_chunk=n, V=V, dtype=args.dtype)
 
 
 if __name__ == "__main__":

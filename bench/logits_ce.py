@@ -17,44 +17,27 @@ the unfused default's; "GEMM TFLOP/s" counts the 2 n K 2V FLOPs of the logits.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from types import SimpleNamespace
-
 import torch
 
+from cross_entropy import chunk, chunk_arguments, report  # bench/cross_entropy.py's chunk and table
 from pairs import timed as timed_s  # bench/pairs.py's timer; it puts the project root on the path
-from bst_fast.backends.launch import ce_config, chunk_config, logits_ce_config
-from bst_fast.backends.runtime import SWITCHES
+from bst_fast.backends.launch import ce_config, logits_ce_config
 from bst_fast.kernels.activation import interpreted_bf16
 from bst_fast.kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 from bst_fast.kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
 
-# (BM, BN, BK, warps, stages); ptxas sm_90 at K = 512: the first four without spills (255, 255, 226
-# and 255 registers), the last two spill a little (64 x 128 on 4 warps fits two programs an SM)
+# (BM, BN, BK, warps, stages); ptxas sm_90 at K = 512, V = 1000, bf16, none spilling: 246, 250, 176,
+# 168, 255 and 168 registers (64 x 128 on 4 warps fits two programs an SM, the first two one)
 CUDA_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 3),
                (64, 128, 64, 4, 3), (64, 64, 64, 4, 3)]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--vocab", type=int, default=1000)
+    ap = chunk_arguments(__doc__)
     ap.add_argument("--K", type=int, default=512, help="the last layer's input width")
-    ap.add_argument("--rows", type=int, default=None,
-                    help="rows of the chunk (default: the triton backend's chunk for a 3-layer head 512 wide)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    dev, V, K, dtype = args.device, args.vocab, args.K, getattr(torch, args.dtype)
-    n = args.rows or chunk_config(dev, V, [512, 512], dtype, SWITCHES)["chunk"]
-    g = torch.Generator().manual_seed(0)
-    L = 258
-    tok = torch.randint(0, V, (64 * L,), generator=g).to(dev)
-    ia = torch.randint(0, 64 * L - 3, (n,), generator=g)
-    pl = SimpleNamespace(ia=ia.int().to(dev), ib=(ia + 2).int().to(dev), w=torch.ones(1, device=dev), w_stride=0,
-                         meet_token=None)
+    dev, V, dtype, n, g, tok, pl = chunk(args)
+    K = args.K
     H = torch.randn(n, K, generator=g).relu().to(dev, dtype)  # a ReLU layer's output
     W = (torch.randn(2 * V, K, generator=g) * 3 / K**0.5).to(dev, dtype)
     c = (torch.randn(2 * V, generator=g) * 0.1).to(dev, dtype)
@@ -101,15 +84,11 @@ def main():
     ms = timed_s(lambda: [torch.addmm(c, H, W.t(), out=Z) for _ in range(inner)], dev, args.reps)[0] / inner * 1e3
     rows.append(dict(variant="addmm alone (cuBLAS logits)", ms=ms, gemm_tflop_s=gflop / ms, rel_err_vs_first=0.0))
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)"
-    print(f"# The last layer's logits and cross-entropy on one chunk: {name}, {n} rows, K = {K}, V = {V}, "
-          f"{args.dtype}, median of {args.reps} samples of {inner} calls\n")
-    print("| variant | ms | GEMM TFLOP/s | max rel. err vs the first |\n| --- | --- | --- | --- |")
-    for row in sorted(rows, key=lambda x: x["ms"]):
-        print(f"| {row['variant']} | {row['ms']:.3f} | {row['gemm_tflop_s']:.0f} | {row['rel_err_vs_first']:.1e} |")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(dict(device=name, rows_per_chunk=n, K=K, V=V, dtype=args.dtype, results=rows), fh, indent=1)
-
+    report(f"The last layer's logits and cross-entropy on one chunk: {name}, {n} rows, K = {K}, V = {V}, "
+           f"{args.dtype}, median of {args.reps} samples of {inner} calls", rows,
+           [("variant", "variant", ""), ("ms", "ms", ".3f"), ("GEMM TFLOP/s", "gemm_tflop_s", ".0f"),
+            ("max rel. err vs the first", "rel_err_vs_first", ".1e")],
+           args.out, device=name, rows_per_chunk=n, K=K, V=V, dtype=args.dtype)
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,7 @@ def logits_ce_config(device_type: str, dtype, K: int) -> dict:
     warps, lce_stages pipeline stages."""
     if device_type == "cuda":
         if dtype == torch.float32:  # full-float32 products on the FMA units (no wgmma): a small block
-            return dict(lce_BM=32, lce_BN=64, lce_BK=16, lce_warps=4, lce_stages=2)
+            return dict(lce_BM=32, lce_BN=32, lce_BK=16, lce_warps=4, lce_stages=2)
         # Two warpgroups of wgmma on two 128 x 64 float32 accumulators (64 registers a thread), the
         # epilogue's exponentials on one at a time; 3 stages of 128 x 64 tiles of H and W are 96 KB
         # of shared memory. ptxas (sm_90): 246-255 registers, no spills, so one program an SM. Per

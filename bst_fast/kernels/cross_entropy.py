@@ -71,6 +71,22 @@ def _nll(mx, zy, ry):
 
 
 @triton.jit
+def _fold(z, is_y, mx, ry):
+    # One (rows, block) of logits z folded into the rows' online max mx and ry, the sum of exp(z - mx)
+    # over every logit but the label's (is_y); returns the new (mx, ry). While every logit so far is
+    # -inf (a masked block) it shifts by 0: exp(-inf - -inf) is NaN.
+    m_new = tl.maximum(mx, tl.max(z, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    return m_new, ry * tl.exp(mx - m_safe) + tl.sum(tl.where(is_y, 0.0, tl.exp(z - m_safe[:, None])), axis=1)
+
+
+@triton.jit
+def _grad(z, is_y, mx, ry, inv, g):
+    # g * (softmax - onehot) of a (rows, block) of logits from the rows' mx, ry and inv (_nll), g (rows, 1)
+    return g * tl.where(is_y, (-ry * inv)[:, None], tl.exp(z - mx[:, None]) * inv[:, None])
+
+
+@triton.jit
 def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n, V, ldz, hoff, lam, gscale, meet,
                               NEED_GRAD: tl.constexpr, SUMS: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
                               BV: tl.constexpr, ONE: tl.constexpr, UP: tl.constexpr, MEET: tl.constexpr):
@@ -112,12 +128,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n,
                 for vb in range(0, V, BV):
                     cb = vb + col[None, :]
                     z = tl.load(zr[:, None] + cb, mask=cb < V, other=-float("inf")).to(tl.float32)
-                    m_new = tl.maximum(mx, tl.max(z, axis=1))
-                    # while every logit so far is -inf (a masked block), shift by 0: exp(-inf - -inf) is NaN
-                    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                    ry = ry * tl.exp(mx - m_safe) + tl.sum(tl.where(cb == y[:, None], 0.0, tl.exp(z - m_safe[:, None])),
-                                                           axis=1)
-                    mx = m_new
+                    mx, ry = _fold(z, cb == y[:, None], mx, ry)
                 zy = tl.load(zr + y).to(tl.float32)
             nll, inv = _nll(mx, zy, ry)
             total += cw * nll
@@ -138,7 +149,7 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n,
                         cb = vb + col[None, :]
                         cm = (cb < V) & live[:, None]
                         z = tl.load(zr[:, None] + cb, mask=cm, other=0.0).to(tl.float32)
-                        d = g * tl.where(cb == y[:, None], (-ry * inv)[:, None], tl.exp(z - mx[:, None]) * inv[:, None])
+                        d = _grad(z, cb == y[:, None], mx, ry, inv, g)
                         tl.store(zr[:, None] + cb, cast(d, Z.dtype.element_ty, UP), mask=cm)
         tl.store(loss + rs, total, mask=live)
     if SUMS:

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .activation import cast
-from .cross_entropy import _label, _nll, _pair
+from .cross_entropy import _fold, _grad, _label, _nll, _pair
 
 
 @triton.jit
@@ -112,11 +112,8 @@ def _online(z, cb, V, y, k, mx, ry, zy, Zr, live, NEED_GRAD: tl.constexpr):
     # neither is loop-invariant and the compiler hoists no (BM, BS) broadcast of y or of the columns
     # out of the loop (it would hold a register a logit through the whole K-loop)
     is_y = (cb - k)[None, :] == (y - k)[:, None]
-    m_new = tl.maximum(mx, tl.max(z, axis=1))
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no NaN from -inf - -inf
-    ry = ry * tl.exp(mx - m_safe) + tl.sum(tl.where(is_y, 0.0, tl.exp(z - m_safe[:, None])), axis=1)
-    zy += tl.sum(tl.where(is_y, z, 0.0), axis=1)
-    return m_new, ry, zy
+    mx, ry = _fold(z, is_y, mx, ry)
+    return mx, ry, zy + tl.sum(tl.where(is_y, z, 0.0), axis=1)
 
 
 @triton.jit
@@ -168,17 +165,14 @@ def pair_logits_ce_kernel(H, W, c, Z, tok, ia, ib, Wp, w_stride, loss, dc_part, 
         # pass 2 reads logits that other threads of the program stored in pass 1 (its layout need not
         # be the store's): a barrier makes their global writes visible to the whole block first
         tl.debug_barrier()
-        g = cw * gscale
-        gy = g * -ry * inv  # the label's gradient, and the others' scale
-        gi = g * inv
+        g = (cw * gscale)[:, None]
         # the blocks of the half and its padding (Vp > V: zero gradient, so the weight GEMMs that read
         # the whole (n, 2 hoff) buffer see zeros there)
         for vb in range(0, hoff, BS):
             cb = vb + col
             zp = Zr[:, None] + cb[None, :]
             z = tl.load(zp, mask=live[:, None] & (cb < V)[None, :], other=-float("inf")).to(tl.float32)
-            d = cast(tl.where(col[None, :] == (y - vb)[:, None], gy[:, None], tl.exp(z - mx[:, None]) * gi[:, None]),
-                     Z.dtype.element_ty, UP)
+            d = cast(_grad(z, col[None, :] == (y - vb)[:, None], mx, ry, inv, g), Z.dtype.element_ty, UP)
             write = live[:, None] & (cb < hoff)[None, :]
             tl.store(zp, d, mask=write)
             tl.store(dc_part + pm.to(tl.int64) * 2 * hoff + base + cb,
