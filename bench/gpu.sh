@@ -73,11 +73,14 @@ step 120 check-fused $F python3 bench/gpu_check.py cuda triton
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
     --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
-    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums --out "$out/$slug-levers-paper"
-# Table 3's BST columns with the switches as they are, then with the three levers on: side by side in one run
-step 200 paper-fused bash -c "python3 bench/paper_speed.py --device cuda --shape paper --columns bst-original \
-    bst-improved --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-original bst-improved --out $out/$slug-fused"
+    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums "pairs=0.02 device pair list" --out "$out/$slug-levers-paper"
+# Table 3's BST columns with the switches as they are, then with the three levers on: side by side in one
+# run; first the improved column with its subsample listed on the device (host_pairs off, as before it
+# was built: compare its pair-loss phase with the unfused run's, docs/backends.md "Host pair lists")
+step 260 paper-fused bash -c "BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-improved --out $out/$slug-device-pairs; python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-original bst-improved --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda \
+    --shape paper --columns bst-original bst-improved --out $out/$slug-fused"
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"

@@ -7,6 +7,10 @@ line per case and exits nonzero on any failure.
     python bench/gpu_check.py cuda torch      # one device, only the named backends
     python bench/gpu_check.py --levers        # every case with the five levers on (docs/backends.md)
 
+With the triton backend it also counts the device synchronisations of a subsampled loss whose
+lengths are on the host (torch.cuda.set_sync_debug_mode): one, the op's token check after its
+kernels (prepare's host_pairs: the pairs are drawn, checked and listed on the host).
+
 A case that raises (e.g. a sampled-pairs case while the C++ extension, which samples, is not
 built) is counted as a failure and the others still run.
 """
@@ -14,6 +18,7 @@ import argparse
 import copy
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -77,6 +82,10 @@ def _check_all(args):
     # head's gate and up summed apart (torch_backend.VARIANTS)
     cases += [dict(cases[1], backend="torch+compile", swiglu=True, bias=False), dict(cases[0], backend="torch+compile")]
     cases += [dict(cases[2], backend="torch+unfused", swiglu=True, bias=True)]
+    # listed pair sets on the host (lengths and pairs kept on the CPU: the op lists them there)
+    cases += [dict(B=3, L=45, m=16, V=300, hidden=64, n_layers=3, act="gelu",
+                   opts=dict(pairs=0.4, lengths=[45, 30, 12], prefix_start=[0, 2, 1], host=True)),
+              dict(cases[3], opts=dict(explicit=True, lengths=[40, 40], host=True))]
     for chunk in (None, 97):
         for k, c in enumerate(cases):
             g = torch.Generator().manual_seed(k)
@@ -96,14 +105,15 @@ def _check_all(args):
             b = torch.randn(c["B"], c["L"], c["m"], generator=g).to(dev)
             tokens = torch.randint(0, c["V"], (c["B"], c["L"]), generator=g).to(dev)
             opts = dict(c["opts"])
+            on = "cpu" if opts.pop("host", False) else dev
             for key in ("lengths", "prefix_start"):
                 if key in opts:
-                    opts[key] = torch.tensor(opts[key], device=dev)
+                    opts[key] = torch.tensor(opts[key], device=on)
             if opts.pop("explicit", False):
                 row = torch.randint(0, c["B"], (300,), generator=g)
                 i = torch.randint(0, c["L"] - 3, (300,), generator=g)
                 j = i + 2 + (torch.rand(300, generator=g) * (c["L"] - 2 - i)).long()
-                opts["pairs"] = (row.to(dev), i.to(dev), j.to(dev))
+                opts["pairs"] = (row.to(on), i.to(on), j.to(on))
             if isinstance(opts.get("pairs"), float):
                 opts["generator"] = torch.Generator(device="cpu").manual_seed(5)
             scale = 1.7
@@ -116,11 +126,57 @@ def _check_all(args):
                 traceback.print_exc()
                 print(f"{backend:13} {type(head).__name__:18} chunk={chunk} case {k} raised: FAIL", flush=True)
                 failures += 1
+    if dev == "cuda" and "triton" in only:
+        ran += 1
+        try:
+            failures += check_synchronisations(dev)
+        except Exception:
+            traceback.print_exc()
+            failures += 1
     if not ran:
         print("no case ran")
         return 1
     print(f"all {ran} cases ok" if not failures else f"{failures} FAILED of {ran} cases")
     return 1 if failures else 0
+
+
+def check_synchronisations(dev):
+    """A subsampled loss (forward and backward) with the lengths on the host synchronises once: the
+    op's token check, read after its kernels are queued. With host_pairs off, for comparison, the
+    pair list is cut on the device (more)."""
+    g = torch.Generator().manual_seed(0)
+    B, L, m, V = 8, 128, 64, 500
+    head = TextHead(m, V, hidden=128, n_layers=2).to(dev, torch.bfloat16)
+    f = torch.randn(B, L, m, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    b = torch.randn(B, L, m, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, V, (B, L), generator=g).to(dev)
+
+    def count(host_pairs):
+        lengths = torch.full((B,), L)  # on the host
+        step = lambda: belief_state_loss(f, b, tokens, head, lengths=lengths, pairs=0.05, backend="triton",
+                                         generator=torch.Generator().manual_seed(1)).backward()
+        with runtime.switched(host_pairs=host_pairs):
+            return _synchronisations(step)
+
+    host, device = count(True), count(False)
+    ok = host == 1
+    print(f"synchronisations of a subsampled loss: {host} with its pair list made on the host (want 1, the op's "
+          f"token check after its kernels), {device} made on the device: {'ok' if ok else 'FAIL'}", flush=True)
+    return 0 if ok else 1
+
+
+def _synchronisations(step):
+    """The device synchronisations of one call of step(), after a warm-up call (compiled kernels)."""
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def check_case(f, b, tokens, head, scale, regen, backend, label):

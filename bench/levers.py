@@ -34,7 +34,12 @@ becomes the default. The settings (LEVERS):
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
-  C++ sampler on the host.
+  C++ sampler on the host;
+- "pairs=0.02 device pair list" (host_pairs off): the subsample's pair list built on the device
+  (two host synchronisations, the draw's read of the lengths, device sorts) instead of on the host
+  (docs/backends.md "Host pair lists"). Timed one call at a time, both rows include their host
+  work; in a training step the host list is made while the GPU runs the encoders
+  (bench/paper_speed.py's pair-loss phase, gpu.sh's paper-host step, shows that).
 
 Every setting's loss and gradients are checked against the defaults' before timing (another
 sampler's at pairs=1.0, where it must draw all pairs, against the all-pairs defaults; float32
@@ -89,6 +94,7 @@ LEVERS = {
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),
     "pairs=0.02 device_sampler": (dict(device_sampler=True), True),
+    "pairs=0.02 device pair list": (dict(host_pairs=False), True),
 }
 
 
@@ -128,7 +134,10 @@ def main(argv=None):
 
     def run(name, fraction=0.02):
         changes, sub = LEVERS[name]
-        opts = dict(pairs=fraction, generator=torch.Generator(device=dev).manual_seed(1)) if sub else {}
+        # the trainer's generator is a CPU one (a device generator's seed draw would synchronise);
+        # the device sampler draws from one on the device
+        gen_dev = dev if "device_sampler" in changes else "cpu"
+        opts = dict(pairs=fraction, generator=torch.Generator(device=gen_dev).manual_seed(1)) if sub else {}
         with runtime.switched(**changes):
             loss = belief_state_loss(f, b, tokens, head, backend=args.backend, **opts)
             return loss.detach(), torch.autograd.grad(loss, leaves)

@@ -37,6 +37,9 @@ class Pairs:
     # packed rows (docs/contract.md §10): (first, last), each (B, L) int64, the lowest and highest j
     # the documents let prefix (r, i) pair with; None when a row is one document
     bounds: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    # resolved on the host (prepare's host_pairs): lengths, prefix_start, the pairs and weights are on
+    # the CPU, and the tokens' values are left to the op to check
+    host: bool = False
 
 
 def j_range(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
@@ -191,12 +194,17 @@ def _exclusive_cumsum(counts):
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
-def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structured: bool = False) -> PairList:
-    """Sort the pair set into a PairList cut into chunks of `chunk` slots, its weights in `dtype`:
-    all on the device, two host synchronisations (the pair count, then the chunk table with wscale).
-    With `structured`, an all-pairs set (no listed pairs) also gets jlo and alo: within one row (and
-    one document, §10) the suffixes of a prefix and the prefixes of a suffix are runs of positions."""
+def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structured: bool = False,
+              device=None) -> PairList:
+    """Sort the pair set into a PairList cut into chunks of `chunk` slots, its weights in `dtype`, on
+    `device` (None: p's). Built on p's device: there, two host synchronisations (the pair count,
+    then the chunk table with wscale). A pair set on the host bound for a GPU (prepare's host_pairs)
+    is sorted, counted and cut on the host, then uploaded without blocking; only the order by
+    suffix is sorted on the GPU: no synchronisation at all. With `structured`, an all-pairs set (no
+    listed pairs) also gets jlo and alo: within one row (and one document, §10) the suffixes of a
+    prefix and the prefixes of a suffix are runs of positions."""
     dev = p.lengths.device
+    target = dev if device is None else torch.device(device)
     BL = B * L
     ia, ib, weight = flat_pairs(p, L)
     total = ia.numel()
@@ -206,13 +214,15 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structu
         w_stride, wscale = 0, p.scale.to(dtype)
     else:
         if p.row is not None:  # listed pairs: sorted here (all pairs come sorted, each weighing its row's scale)
-            order = torch.sort(ia * BL + ib, stable=True).indices
-            ia, ib, weight = ia[order], ib[order], weight[order]
+            key = ia * BL + ib
+            # the C++ sampler's pairs come sorted: on the host a linear check skips the sort
+            if dev.type != "cpu" or total > 1 and not bool((key[1:] >= key[:-1]).all()):
+                order = torch.sort(key, stable=True).indices
+                ia, ib, weight = ia[order], ib[order], weight[order]
         wmax = weight.max()
         w, wscale = (weight / wmax).to(dtype), wmax.to(dtype)
         w_stride = 1
     pre_off = _exclusive_cumsum(torch.bincount(ia, minlength=BL))
-    perm = torch.sort(ib * BL + ia, stable=True).indices
     suf_off = _exclusive_cumsum(torch.bincount(ib, minlength=BL))
 
     n_chunks = -(-total // chunk)
@@ -233,12 +243,14 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structu
                        longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
+    ia, ib, w, pre_off, suf_off = (to_device(t, target) for t in (ia.to(idx), ib.to(idx), w, pre_off, suf_off))
+    perm = torch.sort(ib.long() * BL + ia, stable=True).indices  # on the target: the host's costliest sort
     width = len(Chunk._fields)
     jlo = alo = None
     if structured and p.row is None and total:
-        jlo = ib[pre_off[:-1].clamp(max=total - 1)].to(idx)
-        alo = ia[perm[suf_off[:-1].clamp(max=total - 1)]].to(idx)
-    return PairList(ia=ia.to(idx), ib=ib.to(idx), w=w, w_stride=w_stride, wscale=table[-1],
+        jlo = ib[pre_off[:-1].clamp(max=total - 1)]
+        alo = ia[perm[suf_off[:-1].clamp(max=total - 1)]]
+    return PairList(ia=ia, ib=ib, w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
                     chunks=[Chunk(*map(int, table[k : k + width])) for k in range(0, width * n_chunks, width)],
                     search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token, jlo=jlo, alo=alo)
@@ -251,7 +263,7 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     dev = generator.device if generator is not None else "cpu"
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
     row, i, j = torch.ops.bst_fast.sample_pairs(lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed)
-    return row.to(lengths.device), i.to(lengths.device), j.to(lengths.device)
+    return to_device(row, lengths.device), to_device(i, lengths.device), to_device(j, lengths.device)
 
 
 def sample_listed(p: Pairs, L: int, k, generator=None):
@@ -278,6 +290,24 @@ def _fail(cls, msg):
     raise cls(msg)
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device`. A host tensor bound for a GPU goes through pinned memory without blocking: a
+    copy from pageable memory waits for the stream, so one small upload in the loss would stall the
+    host until the encoders' queued work is done (pinned blocks are reused only after their copy)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def host_known(x) -> bool:
+    """`x` (lengths or prefix_start as belief_state_loss takes them) is read without a device sync:
+    None, an int or a CPU tensor."""
+    return x is None or isinstance(x, int) or (torch.is_tensor(x) and x.device.type == "cpu")
+
+
 def _as_row_vector(x, name, B, device):
     """An int or (B,) integer tensor as a (B,) int64 tensor on `device`."""
     if isinstance(x, bool):
@@ -291,7 +321,7 @@ def _as_row_vector(x, name, B, device):
               + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
     if tuple(x.shape) != (B,):
         _fail(ValueError, f"{name} must have shape ({B},) to match f, got {tuple(x.shape)}")
-    return x.to(device=device, dtype=torch.int64).contiguous()  # kernels read it with stride 1
+    return to_device(x.to(dtype=torch.int64).contiguous(), device)  # kernels read it with stride 1
 
 
 def row_problems(tokens, lengths, vocab_size):
@@ -373,13 +403,20 @@ def _raise_down(name, ids, down):
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
             next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False,
-            device_sampler=False) -> Pairs:
+            device_sampler=False, host_pairs=False) -> Pairs:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
     torch.compile they are skipped here and the traced graph has no break. device_sampler: rows
     without documents are subsampled by _device_sampler.sample_on_device (Switches.device_sampler,
-    which belief_state_loss passes), else by the C++ sampler."""
+    which belief_state_loss passes), else by the C++ sampler.
+
+    host_pairs: the backend's op takes a listed pair set on the host (the triton op builds its pair
+    list there) and checks the tokens itself. A listed set (sampled by the C++ sampler without
+    documents, or an explicit triple given on the CPU) is then resolved on the host whenever
+    lengths and prefix_start are host-known (None, ints or CPU tensors): the returned Pairs holds
+    them, the pairs and their weights on the CPU, and nothing here reads the device, so the host
+    draws and checks the pairs while the GPU still runs the encoders."""
     check_f(f)
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
         _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
@@ -415,6 +452,12 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         _fail(ValueError, f"generator must be None or a torch.Generator, got {type(generator).__name__}")
 
     dev = f.device
+    sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
+    given_on_host = isinstance(pairs, (tuple, list)) and all(torch.is_tensor(x) and x.device.type == "cpu" for x in pairs)
+    host = (host_pairs and documents is None and host_known(lengths) and host_known(prefix_start)
+            and ((sampled and not device_sampler) or given_on_host))
+    if host:
+        dev = torch.device("cpu")  # the pair set's device from here on; the tokens stay where they are
     if lengths is None:
         lengths = torch.full((B,), L, dtype=torch.int64, device=dev)
     else:
@@ -427,7 +470,6 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     gmax = max(gmax, min_gap)
     # A compiled graph skips these checks (the op repeats them), unless pairs are sampled: the
     # sampler runs first, here, its work growing with the lengths, and it synchronises anyway.
-    sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
     checking = not (op_checks and torch.compiler.is_compiling()) or sampled
     bounds, downs = None, []
     if documents is not None:
@@ -438,11 +480,13 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     counts = prefix_counts(lengths, prefix_start.clamp(max=L), min_gap, gmax, L, bounds).sum(1)
     total = counts.sum()
     if checking:
-        bad_len, bad_tok = row_problems(tokens, lengths, vocab_size)
+        # resolved on the host, the tokens are left to the op (host_pairs): no flag here reads the device
+        bad_len, bad_tok = row_problems(tokens, lengths, vocab_size) if not host else \
+            ((lengths < 0) | (lengths > L), torch.zeros((), dtype=torch.bool))
         bad_start = prefix_start < 0
         no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
-        flags = [bad_len.any(), bad_start.any(), bad_tok.any()] + [d.any() for _, _, d in downs] + [no_pair]
-        any_bad = torch.stack(flags).tolist()  # one sync
+        flags = [bad_len.any(), bad_start.any(), bad_tok.any().to(dev)] + [d.any() for _, _, d in downs] + [no_pair]
+        any_bad = torch.stack(flags).tolist()  # one sync (none on the host)
         if any_bad[0]:
             _raise_length(lengths, bad_len, L)
         if any_bad[1]:
@@ -458,7 +502,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     prefix_start = prefix_start.clamp(max=L)
     # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax,
-                  meet_token=meet_token if min_gap == 1 else None, bounds=bounds)
+                  meet_token=meet_token if min_gap == 1 else None, bounds=bounds, host=host)
 
     if pairs is None:
         if reduction == "row_mean":  # docs/contract.md §9: 1 / (|P_r| B); a row with no pair weighs nothing
@@ -478,7 +522,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
                               + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in (row, i, j)))
         if row.numel() == 0:
             _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
-        row, i, j = (x.to(device=dev, dtype=torch.int64) for x in (row, i, j))
+        row, i, j = (to_device(x.to(dtype=torch.int64), dev) for x in (row, i, j))
         if B == 0:
             _fail(ValueError, f"pairs[0] = (row={int(row[0])}, i={int(i[0])}, j={int(j[0])}) is not a valid pair: "
                               f"the batch has no rows")

@@ -94,6 +94,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     p = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                        max_gap=max_gap, pairs=pairs, next_weight=next_weight, reduction=reduction,
                        generator=generator, meet_token=meet_token, documents=documents, op_checks=chosen.FUSED,
+                       host_pairs=chosen.HOST_PAIRS and runtime.SWITCHES.host_pairs,
                        device_sampler=runtime.SWITCHES.device_sampler)
     tokens = tokens.long()
     if not chosen.FUSED:

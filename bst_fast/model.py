@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int
-from ._pairs import check_documents, full_lengths
+from ._pairs import check_documents, full_lengths, host_known
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -347,6 +347,9 @@ class BeliefStateTransformer(nn.Module):
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
+        # lengths given on the host (the trainer's) reach the loss as given: it draws and lists a
+        # subsample there without reading the GPU (prepare's host_pairs), while the encoders run
+        loss_lengths = lengths if host_known(lengths) else None
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
@@ -355,9 +358,9 @@ class BeliefStateTransformer(nn.Module):
             f, b = self._states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
         with record_function("pair_loss"):
-            belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths, prefix_start=prefix_start,
-                                       min_gap=min_gap, max_gap=max_gap, meet_token=meet_token,
-                                       documents=documents, pairs=pairs,
+            belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths if loss_lengths is None else loss_lengths,
+                                       prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
+                                       meet_token=meet_token, documents=documents, pairs=pairs,
                                        next_weight=next_weight, reduction=red, generator=generator, backend=backend)
         if red == "sum":
             belief = belief / pair_total

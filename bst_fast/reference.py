@@ -9,6 +9,7 @@ from ._pairs import Pairs, labels, pair_mask
 # The backend protocol (bst_fast/backends/__init__.py): the spec takes any head, dtype and device.
 NAME = "reference"
 FUSED = False
+HOST_PAIRS = False
 
 
 def supports(head, device, dtype):

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from ._checks import short
+from ._pairs import to_device
 from .checkpoint import best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
@@ -144,9 +145,11 @@ class Run:
         r, w = self.rank, self.world
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = self.task.prefix_start if row_start is None else row_start[r::w].to(self.device)
-        return Batch(tokens[r::w].to(self.device), lengths[r::w].to(self.device), prefix_start,
-                     float(pair_total), float(token_total), len(tokens) / w,
-                     None if documents is None else documents[r::w].to(self.device))
+        # The rows go up without blocking (pinned), and the lengths stay on the host, where the loss
+        # draws a subsample from them while the GPU runs the encoders: a step reads nothing back.
+        up = lambda t: to_device(t[r::w].contiguous(), self.device)
+        return Batch(up(tokens), lengths[r::w].contiguous(), prefix_start, float(pair_total), float(token_total),
+                     len(tokens) / w, None if documents is None else up(documents))
 
     def close(self):
         if self.bar is not None:

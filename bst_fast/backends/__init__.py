@@ -7,6 +7,8 @@ torch_backend, triton_backend) has the same names:
     supports(head, device, dtype) -> None when it takes them, else the reason it does not
     FUSED: a registered op that chooses its own precision (autocast is off around it) and repeats
            the value checks itself (so belief_state_loss skips them while compiling)
+    HOST_PAIRS: its op takes a listed pair set on the host and checks the tokens itself (prepare's
+           host_pairs: a subsample is then drawn and listed without reading the GPU)
     NAME: its name here
 
 `pairs` is the checked pair set (`_pairs.Pairs`), `options` a `runtime.LossOptions` (docs/backends.md).

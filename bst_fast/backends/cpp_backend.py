@@ -10,6 +10,7 @@ from .runtime import LossOptions, fused_problem
 
 NAME = "cpp"
 FUSED = True
+HOST_PAIRS = False  # a CPU op: its pair set is on the host anyway
 
 pair_loss_op.register("bst_fast::pair_loss", NAME)
 

@@ -7,7 +7,9 @@ CPU, bst_fast::triton_pair_loss in Python for the GPU), which share one schema:
 A, Bm: (B, L, h1) float32, the split first layer (docs/contract.md §3); weights/biases: the layers
 after it (the last one (2V, hL)); row/i/j: None for all pairs (then weight is the 0-dim scale of
 every pair, or a (B,) scale per row: row_mean, §9) or an explicit list with one weight per pair;
-meet_token: both labels of the pairs with j - i = 1 (§8), needed by min_gap = 1. The op returns
+meet_token: both labels of the pairs with j - i = 1 (§8), needed by min_gap = 1. The pair set's
+tensors (lengths, prefix_start, weight and a listed row, i, j) are on A's device, or a listed set's
+all on the CPU (the triton op builds its pair list on the host then: check_devices). The op returns
 the loss and, with need_grad, every gradient in float32 (empty tensors without); autograd only
 scales them by grad_output, since the loss is the graph's last node. `text_head_arguments` builds
 these arguments from a TextHead, the one place the fused backends read a head's layers.
@@ -27,7 +29,7 @@ def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.
     (autograd casts their gradients back), and need_grad when any of them needs a gradient."""
     if p.bounds is not None:  # packed rows (docs/contract.md §10): the schema takes their pairs listed
         p = _pairs.listed(p, f.shape[1])
-    A, Bm = head.first_layer_states(f, b, p.lengths)  # (B, L, h1) float32 each
+    A, Bm = head.first_layer_states(f, b, _pairs.to_device(p.lengths, f.device))  # (B, L, h1) float32 each
     weights = [layer.weight.to(dtype) for layer in head.layers[1:]]
     biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
@@ -36,14 +38,24 @@ def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.
             weight, float(next_weight), head.activation, need_grad)
 
 
+def check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight):
+    """Every tensor argument on A's device, but for a listed pair set that may lie on the CPU whole
+    (lengths, prefix_start, weight, row, i, j): the triton op then builds its pair list on the host."""
+    model = [A, Bm, *weights, *biases, tokens]
+    pair_set = [lengths, prefix_start, weight] + [t for t in (row, i, j) if t is not None]
+    on_host = row is not None and all(t.device.type == "cpu" for t in pair_set)
+    given = model + ([] if on_host else pair_set)
+    if any(t.device != A.device for t in given):
+        raise ValueError(f"every tensor argument must be on A's device ({A.device}), or a listed pair set's "
+                         f"(lengths, prefix_start, weight, row, i, j) all on the CPU, got "
+                         f"{sorted({str(t.device) for t in model + pair_set})}")
+
+
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
          row, i, j, weight, next_weight, activation, need_grad, meet_token=None):
     # Also the Meta kernel: one meta argument among real ones lands here, and the outputs, made on
-    # A's device, would be uninitialised memory returned as a loss. The ops take one device.
-    given = [A, Bm, *weights, *biases, tokens, lengths, prefix_start, weight] + [t for t in (row, i, j) if t is not None]
-    if any(t.device != A.device for t in given):
-        raise ValueError(f"every tensor argument must be on A's device ({A.device}), got "
-                         f"{sorted({str(t.device) for t in given})}")
+    # A's device, would be uninitialised memory returned as a loss.
+    check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
     f32 = dict(dtype=torch.float32)
     if not need_grad:  # the op returns empty gradients then
         return (A.new_empty((), **f32), A.new_empty(0, **f32), A.new_empty(0, **f32),

@@ -108,6 +108,11 @@ class Switches:
     # The triton backend's hidden layers' activation gradient and their bias gradients' column sums
     # in one kernel (kernels/hidden_grad.py), BST_FAST_HIDDEN_SUMS=1. Not timed on a GPU yet: off.
     hidden_sums: bool = False
+    # A listed pair set (a subsample, or explicit pairs on the CPU) resolved on the host where the
+    # lengths are host-known: drawn, checked and listed with no device sync (prepare's host_pairs,
+    # docs/backends.md "Host pair lists"). On: it only removes synchronisations; not timed on a GPU
+    # yet. BST_FAST_DEVICE_PAIR_LIST=1 lists it on the device as before, to time the two.
+    host_pairs: bool = True
 
     @classmethod
     def from_environment(cls) -> "Switches":
@@ -122,7 +127,8 @@ class Switches:
                    device_sampler=env_flag("BST_FAST_DEVICE_SAMPLER"),
                    fused_ce=env_flag("BST_FAST_FUSED_CE"),
                    relu_in_gemm=env_flag("BST_FAST_RELU_IN_GEMM"),
-                   hidden_sums=env_flag("BST_FAST_HIDDEN_SUMS"))
+                   hidden_sums=env_flag("BST_FAST_HIDDEN_SUMS"),
+                   host_pairs=not env_flag("BST_FAST_DEVICE_PAIR_LIST"))
 
 
 # The switches in force: the environment's, read once when bst_fast is imported.

@@ -54,6 +54,7 @@ from .torch_chunks import TritonOps, engine
 
 NAME = "torch"
 FUSED = False
+HOST_PAIRS = False
 
 # Named settings of this backend, for benchmarks and checks that time or test them side by side.
 VARIANTS = {"torch": dict(compile_tail=False, fused_swiglu=True),

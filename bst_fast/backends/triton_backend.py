@@ -71,6 +71,7 @@ from .runtime import LossOptions, fused_problem, on_device
 
 NAME = "triton"
 FUSED = True
+HOST_PAIRS = True  # pair_list builds a host pair set's list on the host, no device sync
 
 
 def _mm_f32(a, b):
@@ -239,11 +240,15 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
         raise ValueError(f"weight must have shape {' or '.join(map(str, expected))} (for all pairs a 0-dim scale "
                          f"or one per row, else one per listed pair), got {tuple(weight.shape)}")
     V = weights[-1].shape[0] // 2
+    pair_loss_op.check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
     # The values are checked here, inside the op, so that a compiled graph (which skips the checks
-    # of belief_state_loss) still rejects bad input.
-    _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
-                   max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
-                   reduction="sum", generator=None, meet_token=meet_token)
+    # of belief_state_loss) still rejects bad input. A listed set on the host is checked there (no
+    # device read); the tokens then are checked on the device, their flag read once the chunks are
+    # queued (their kernels mask a label outside [0, V), so a bad one reads nothing out of bounds).
+    checked = _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
+                             max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
+                             reduction="sum", generator=None, meet_token=meet_token, host_pairs=True)
+    bad_tok = _pairs.row_problems(tokens, _pairs.to_device(lengths, A.device), V)[1] if checked.host else None
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
               weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
@@ -254,10 +259,12 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     if Vp != V:
         weights, biases = _padded_vocabulary(weights, biases, V, Vp)
     cfg = chunk_config(A.device.type, Vp, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
-    pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums)
+    pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums, device=A.device)
     with on_device(A.device):
         loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, weights, biases, activation, next_weight, need_grad,
                                                dtype, cfg, V)
+    if bad_tok is not None and bool(bad_tok.any()):  # the op's one synchronisation, after its kernels
+        _pairs._raise_token(tokens, bad_tok, V)
     if need_grad and Vp != V:
         dW[-1], dc[-1] = _unpadded(dW[-1], V, Vp), _unpadded(dc[-1], V, Vp)
     if not need_grad:

@@ -129,7 +129,8 @@ def pair_cross_entropy_kernel(Z, tok, ia, ib, W, w_stride, loss, dc_part, s0, n,
                     cb = vb + col[None, :]
                     z = tl.load(zr[:, None] + cb, mask=cb < V, other=-float("inf")).to(tl.float32)
                     mx, ry = _fold(z, cb == y[:, None], mx, ry)
-                zy = tl.load(zr + y).to(tl.float32)
+                # a label outside [0, V) reads nothing (the op raises on it once its kernels are queued)
+                zy = tl.load(zr + y, mask=(y >= 0) & (y < V), other=0.0).to(tl.float32)
             nll, inv = _nll(mx, zy, ry)
             total += cw * nll
             if NEED_GRAD:
