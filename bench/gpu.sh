@@ -18,9 +18,9 @@
 #
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off).
-# The untimed levers of issue 23, about 7 minutes:
+# The untimed levers of issue 23, about 9 minutes (what the budget leaves of the last is cut):
 #   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="lce check-fused levers-paper paper-fused" timeout 590 bash bench/gpu.sh
+#       STEPS="check-fused paper-fused levers-paper lce" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
@@ -61,26 +61,30 @@ echo "== $name: build"
 MAX_JOBS=$(nproc) timeout 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
     echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
-# The untimed levers first (issue 23; docs/backends.md "Levers"), cheapest and most decisive first.
-# The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
-# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
-step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
-# the float64 checks with fused_ce, relu_in_gemm and hidden_sums on (the cases' V = 101, 3001, 64, 77
-# and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer heads)
-F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1"
+# The untimed levers first (issue 23; docs/backends.md "Levers"), the most decisive first: their
+# float64 checks, Table 3's BST columns with them, each lever alone, then the last layer's kernel alone.
+# the float64 checks with fused_ce, relu_in_gemm, hidden_sums and split_16bit on (the cases' V = 101,
+# 3001, 64, 77 and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer
+# heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
+F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
 step 120 check-fused $F python3 bench/gpu_check.py cuda triton
+# Table 3's BST columns with the switches as they are, then with the four levers on ($F): side by side
+# in one run (the SwiGLU column takes split_16bit alone: the torch backend); first the improved column
+# with its subsample listed on the device (host_pairs off, as before it was built: compare its
+# pair-loss phase with the unfused run's, docs/backends.md "Host pair lists")
+C="bst-original bst-improved bst-improved-swiglu"
+step 300 paper-fused bash -c "BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-improved --out $out/$slug-device-pairs; python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns $C --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns $C --out $out/$slug-fused"
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
     --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
-    fused_ce+relu_in_gemm+hidden_sums ce_bias_sums "pairs=0.02 device pair list" --out "$out/$slug-levers-paper"
-# Table 3's BST columns with the switches as they are, then with the three levers on: side by side in one
-# run; first the improved column with its subsample listed on the device (host_pairs off, as before it
-# was built: compare its pair-loss phase with the unfused run's, docs/backends.md "Host pair lists")
-step 260 paper-fused bash -c "BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-improved --out $out/$slug-device-pairs; python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-original bst-improved --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda \
-    --shape paper --columns bst-original bst-improved --out $out/$slug-fused"
+    fused_ce+relu_in_gemm+hidden_sums split_16bit ce_bias_sums "pairs=0.02 device pair list" --out "$out/$slug-levers-paper"
+# The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
+# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
+step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
 step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"

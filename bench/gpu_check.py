@@ -15,6 +15,7 @@ A case that raises (e.g. a sampled-pairs case while the C++ extension, which sam
 built) is counted as a failure and the others still run.
 """
 import argparse
+import contextlib
 import copy
 import sys
 import traceback
@@ -36,10 +37,14 @@ def rel(x, y):
 
 
 def run(f, b, tokens, head, dtype, scale, backend, **opts):
+    """dtype: the model's, or "autocast": a float32 model under CUDA bf16 autocast (the trainer's)."""
+    cast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "autocast" else contextlib.nullcontext()
+    dtype = torch.float32 if dtype == "autocast" else dtype
     h = copy.deepcopy(head).to(dtype)
     f = f.detach().to(dtype).requires_grad_()
     b = b.detach().to(dtype).requires_grad_()
-    loss = belief_state_loss(f, b, tokens, h, backend=backend, **opts)
+    with cast:
+        loss = belief_state_loss(f, b, tokens, h, backend=backend, **opts)
     return loss.detach(), torch.autograd.grad(loss * scale, [f, b, *h.parameters()])
 
 
@@ -180,10 +185,12 @@ def _synchronisations(step):
 
 
 def check_case(f, b, tokens, head, scale, regen, backend, label):
-    """float32 and bf16 runs of one case against the float64 reference: the number that failed."""
+    """float32, bf16 and (on a GPU) autocast runs of one case against the float64 reference: the
+    number that failed. Autocast, a float32 model with bf16 matrix operands (docs/contract.md §6),
+    takes the bf16 bound against the materialised objective under the same autocast."""
     failures = 0
     ref_l, ref_g = run(f, b, tokens, head, torch.float64, scale, "reference", **regen())
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) + (("autocast",) if f.is_cuda else ()):
         name = "torch" if backend in torch_backend.VARIANTS else backend
         with torch_backend.variant(backend if backend in torch_backend.VARIANTS else "torch"):
             l1, g1 = run(f, b, tokens, head, dtype, scale, name, **regen())
@@ -197,12 +204,14 @@ def check_case(f, b, tokens, head, scale, regen, backend, label):
             ml, mg = run(f, b, tokens, head, dtype, scale, "reference", **regen())
             bl = 2 * rel(ml, ref_l) + 1e-3
             # docs/contract.md §6: the torch backend rounds a bf16 parameter's gradient once
-            # more when grad_output (scale) is not a power of two: 2**-8 more for those
-            extra = [2.0 ** -8 if name == "torch" and q >= 2 else 0.0 for q in range(len(g1))]  # f, b: none
+            # more when grad_output (scale) is not a power of two: 2**-8 more for those (not under
+            # autocast: the parameters are float32)
+            bf16_params = name == "torch" and dtype == torch.bfloat16
+            extra = [2.0 ** -8 if bf16_params and q >= 2 else 0.0 for q in range(len(g1))]  # f, b: none
             ok_g = all(rel(x, y) <= 2 * rel(z, y) + 1e-3 + e for x, y, z, e in zip(g1, ref_g, mg, extra))
             ok = el <= bl and ok_g
             bound = (f"2x torch bf16 ({max(rel(z, y) for z, y in zip(mg, ref_g)):.2e}) + 1e-3"
-                     + (" + 2**-8 on the head's" if name == "torch" else ""))
+                     + (" + 2**-8 on the head's" if bf16_params else ""))
         ok = ok and same
         failures += not ok
         print(f"{backend:13} {type(head).__name__:18} {label} {str(dtype):15} loss err {el:.2e} grad err {eg:.2e} "

@@ -31,6 +31,10 @@ becomes the default. The settings (LEVERS):
   with --activation relu): a relu hidden layer's activation in cuBLASLt's GEMM epilogue, and the
   hidden layers' activation gradient with their bias sums in one kernel (prediction: about 9 of the
   BST original's ~19 ms of hidden-layer elementwise passes a step go); and all three together;
+- "split_16bit": the split first layer's six GEMMs (A, B and their gradients over the B x T rows)
+  with bf16 operands and float32 sums instead of float32 GEMMs off the tensor cores (prediction:
+  12 B T m h1 FLOPs, 26 GFLOP at this shape, 39 at m = 768: 0.5-0.7 ms at float32's ~55 TFLOP/s,
+  to under 0.1 ms);
 - "chunk=384MB", "chunk=512MB": a larger chunk, fewer launches (H200 run 2: 384 MB 25.8 ms against
   128 MB 32.3), at the cost of memory;
 - "device_sampler" (pairs=0.02 rows only): the subsample drawn on the device instead of by the
@@ -39,7 +43,8 @@ becomes the default. The settings (LEVERS):
   (two host synchronisations, the draw's read of the lengths, device sorts) instead of on the host
   (docs/backends.md "Host pair lists"). Timed one call at a time, both rows include their host
   work; in a training step the host list is made while the GPU runs the encoders
-  (bench/paper_speed.py's pair-loss phase, gpu.sh's paper-host step, shows that).
+  (bench/paper_speed.py's pair-loss phase: gpu.sh's paper-fused step, its -device-pairs run against the
+  unfused one).
 
 Every setting's loss and gradients are checked against the defaults' before timing (another
 sampler's at pairs=1.0, where it must draw all pairs, against the all-pairs defaults; float32
@@ -90,6 +95,7 @@ LEVERS = {
     "hidden_sums": (dict(hidden_sums=True), False),
     "relu_in_gemm+hidden_sums": (dict(relu_in_gemm=True, hidden_sums=True), False),
     "fused_ce+relu_in_gemm+hidden_sums": (dict(fused_ce=True, relu_in_gemm=True, hidden_sums=True), False),
+    "split_16bit": (dict(split_16bit=True), False),
     "chunk=384MB": (dict(triton_chunk_bytes=384 * MB), False),
     "chunk=512MB": (dict(triton_chunk_bytes=512 * MB), False),
     "pairs=0.02": ({}, True),

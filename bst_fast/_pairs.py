@@ -298,7 +298,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        # a fresh pinned block, even for a pinned t: the caller may reuse its own buffer at once
+        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        return staged.to(device, non_blocking=True)
     return t.to(device)
 
 
@@ -344,6 +346,13 @@ def _raise_length(lengths, bad_len, L):
 def _raise_token(tokens, bad_tok, vocab_size):
     r, t = (int(x) for x in bad_tok.nonzero()[0])
     _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+
+
+def raise_on_bad_tokens(tokens, bad_tok, vocab_size):
+    """row_problems' token mask as the error naming the first bad token: one host read of its flag
+    (the triton op's for a host pair set, once its kernels are queued)."""
+    if bool(bad_tok.any()):
+        _raise_token(tokens, bad_tok, vocab_size)
 
 
 def check_rows(tokens, lengths, vocab_size):
@@ -454,8 +463,10 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     dev = f.device
     sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
     given_on_host = isinstance(pairs, (tuple, list)) and all(torch.is_tensor(x) and x.device.type == "cpu" for x in pairs)
+    # (a generator on a GPU would be read there for the draw's seed: not on the host then)
     host = (host_pairs and documents is None and host_known(lengths) and host_known(prefix_start)
-            and ((sampled and not device_sampler) or given_on_host))
+            and ((sampled and not device_sampler and (generator is None or generator.device.type == "cpu"))
+                 or given_on_host))
     if host:
         dev = torch.device("cpu")  # the pair set's device from here on; the tokens stay where they are
     if lengths is None:

@@ -115,14 +115,14 @@ class TextHead(nn.Module):
             x = layer(activation(self.activation, x))
         return x
 
-    def first_layer_states(self, f, b, lengths):
+    def first_layer_states(self, f, b, lengths, compute=None):
         """(A, B), each (B, L, h1) float32 (float64 for float64 inputs): A = f W1f^T + c1,
-        B = b W1b^T, so z1_ij = A_i + B_j.
+        B = b W1b^T, so z1_ij = A_i + B_j; compute: the matrix operands' dtype (split_linear).
 
         The fused backends take these; autograd maps dA, dB back to f, b, W1 and c1. Padding
         (positions >= lengths) is in no pair, but dW1 = dA^T f reads every row: it is zeroed so
         that NaN or inf there cannot reach the gradients (0 * NaN = NaN)."""
-        return split_linear(self.layers[0], f, b, lengths)
+        return split_linear(self.layers[0], f, b, lengths, compute)
 
     def pair_parts(self, f, b, lengths):
         """The first layer per token, A and B in float32 (float64 for float64 inputs); per pair
@@ -135,13 +135,23 @@ class TextHead(nn.Module):
         return f"activation={self.activation!r}"
 
 
-def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                 compute: Optional[torch.dtype] = None):
     """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T),
-    with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j]). In float32 (float64 for
-    float64 inputs), autocast or not: the per-pair sum is rounded once, later, by the backend.
-    With `lengths`, f and b are zeroed at positions >= lengths first (zero_padding)."""
+    with W = [W_f | W_b]; for a pair their sum is linear([f_i ; b_j]). Accumulated and returned in
+    float32 (float64 for float64 inputs), autocast or not: the per-pair sum is rounded once, later,
+    by the backend. With `lengths`, f and b are zeroed at positions >= lengths first (zero_padding).
+
+    The products' operands are float32 too (float32 GEMMs: on a GPU off the tensor cores), unless
+    the switch split_16bit is on and `compute`, the dtype of the unsplit layer's operands (None:
+    linear_dtype's, autocast's or the layer's own), is 16-bit: then they take that dtype, as the
+    unsplit layer's would, with float32 accumulation (mm_f32), forward and backward."""
+    from .backends import runtime  # here, not at the top: runtime imports this module (TextHead)
+
     m = f.shape[-1]
-    return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias)
+    compute = linear_dtype(linear, f.device.type) if compute is None else compute
+    operand = compute if runtime.SWITCHES.split_16bit and compute.itemsize == 2 else _table_dtype(f)
+    return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias, operand)
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -152,33 +162,53 @@ class _SplitLinear(torch.autograd.Function):
     the backward, one side at a time. The same products in the same order: the same values."""
 
     @staticmethod
-    def forward(ctx, f, b, lengths, wf, wb, c):
+    def forward(ctx, f, b, lengths, wf, wb, c, operand):
         ctx.save_for_backward(f, b, lengths, wf, wb)
-        ctx.bias_dtype = None if c is None else c.dtype
+        ctx.bias_dtype, ctx.operand = None if c is None else c.dtype, operand
         dtype = _table_dtype(f)
         with torch.autocast(f.device.type, enabled=False):
-            A = F.linear(_float_input(f, lengths, dtype), wf.to(dtype), None if c is None else c.to(dtype))
-            return A, F.linear(_float_input(b, lengths, dtype), wb.to(dtype))
+            A = _linear_f32(_float_input(f, lengths, operand), wf.to(operand), None if c is None else c.to(dtype))
+            return A, _linear_f32(_float_input(b, lengths, operand), wb.to(operand), None)
 
     @staticmethod
     def backward(ctx, dA, dB):
         f, b, lengths, wf, wb = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        need, op = ctx.needs_input_grad, ctx.operand
         with torch.autocast(f.device.type, enabled=False):
-            df, dwf = _side_grads(f, dA, wf, lengths, need[0], need[3])
-            db, dwb = _side_grads(b, dB, wb, lengths, need[1], need[4])
+            df, dwf = _side_grads(f, dA, wf, lengths, need[0], need[3], op)
+            db, dwb = _side_grads(b, dB, wb, lengths, need[1], need[4], op)
             dc = dA.reshape(-1, dA.shape[-1]).sum(0).to(ctx.bias_dtype) if need[5] else None
-        return df, db, None, dwf, dwb, dc
+        return df, db, None, dwf, dwb, dc, None
 
 
-def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool):
-    """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w) in float32
-    (float64): dx zero at padding (as zero_padding's gradient is), in x's dtype; dw in w's."""
-    dtype = _table_dtype(x)
-    d2 = dz.reshape(-1, dz.shape[-1])
-    dx = _zero_padding(d2.mm(w.to(dtype)).view(x.shape), lengths).to(x.dtype) if need_x else None
-    dw = d2.t().mm(_float_input(x, lengths, dtype).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None
+def _linear_f32(x, w, c):
+    """F.linear(x, w, c) accumulated and returned in float32 (float64), for 16-bit x and w too."""
+    if x.dtype.itemsize >= 4:
+        return F.linear(x, w, c)
+    out = mm_f32(x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
+    return out if c is None else out + c
+
+
+def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
+    """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w), from
+    operands in `operand` accumulated in float32 (float64): dx zero at padding (as zero_padding's
+    gradient is), in x's dtype; dw in w's."""
+    d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
+    dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(x.dtype) if need_x else None
+    dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None
     return dx, dw
+
+
+def mm_f32(a, b):
+    """a @ b with a float32 result: accumulated and returned in float32, also for bf16/fp16 operands."""
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: round once, then add
+            return (a @ b).float()
+    return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 
 def _table_dtype(f: torch.Tensor) -> torch.dtype:

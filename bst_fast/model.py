@@ -347,10 +347,12 @@ class BeliefStateTransformer(nn.Module):
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
-        # lengths given on the host (the trainer's) reach the loss as given: it draws and lists a
-        # subsample there without reading the GPU (prepare's host_pairs), while the encoders run
-        loss_lengths = lengths if host_known(lengths) else None
+        # lengths given on the host (the trainer's, or None, or an int) reach the loss as given: it
+        # draws and lists a subsample there without reading the GPU (prepare's host_pairs), while the
+        # encoders run; the encoders take them on the tokens' device
+        given = lengths
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
+        loss_lengths = given if host_known(given) else lengths
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
             if documents is not None:  # kinds and shapes before the masks; their order with the loss's checks
@@ -358,7 +360,7 @@ class BeliefStateTransformer(nn.Module):
             f, b = self._states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
         with record_function("pair_loss"):
-            belief = belief_state_loss(f, b, tokens, self.head, lengths=lengths if loss_lengths is None else loss_lengths,
+            belief = belief_state_loss(f, b, tokens, self.head, lengths=loss_lengths,
                                        prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
                                        meet_token=meet_token, documents=documents, pairs=pairs,
                                        next_weight=next_weight, reduction=red, generator=generator, backend=backend)

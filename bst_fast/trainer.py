@@ -143,11 +143,11 @@ class Run:
         pair_total, token_total = (n / self.world for n in
                                    self.objective.totals(lengths, start_pos, tokens.shape[1], documents))
         r, w = self.rank, self.world
-        # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
-        prefix_start = self.task.prefix_start if row_start is None else row_start[r::w].to(self.device)
         # The rows go up without blocking (pinned), and the lengths stay on the host, where the loss
         # draws a subsample from them while the GPU runs the encoders: a step reads nothing back.
         up = lambda t: to_device(t[r::w].contiguous(), self.device)
+        # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
+        prefix_start = self.task.prefix_start if row_start is None else up(row_start)
         return Batch(up(tokens), lengths[r::w].contiguous(), prefix_start, float(pair_total), float(token_total),
                      len(tokens) / w, None if documents is None else up(documents))
 

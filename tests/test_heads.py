@@ -369,12 +369,12 @@ def test_switches_come_from_the_environment(monkeypatch):
                         ("BST_FAST_BIAS_IN_GEMM", "1"), ("BST_FAST_VOCAB_PAD", "128"),
                         ("BST_FAST_STRUCTURED_SUMS", "1"), ("BST_FAST_DEVICE_SAMPLER", "1"),
                         ("BST_FAST_CE_BIAS_SUMS", "1"), ("BST_FAST_FUSED_CE", "1"), ("BST_FAST_RELU_IN_GEMM", "1"),
-                        ("BST_FAST_HIDDEN_SUMS", "1")):
+                        ("BST_FAST_HIDDEN_SUMS", "1"), ("BST_FAST_DEVICE_PAIR_LIST", "1"), ("BST_FAST_SPLIT_16BIT", "1")):
         monkeypatch.setenv(name, value)
     assert runtime.Switches.from_environment() == runtime.Switches(
         triton_chunk_bytes=2**19, torch_chunk_bytes=2 * 2**20, compile_tail=True, fused_swiglu=False,
         bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True, ce_bias_sums=True,
-        fused_ce=True, relu_in_gemm=True, hidden_sums=True)
+        fused_ce=True, relu_in_gemm=True, hidden_sums=True, host_pairs=False, split_16bit=True)
     with runtime.switched(chunk_pairs=5):
         assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches.chunk_pairs == 5
     assert runtime.LossOptions(next_weight=0.5, vocab_size=3).switches is runtime.SWITCHES
@@ -572,11 +572,13 @@ def test_star_graph_smoke_with_swiglu_head(tmp_path):
     assert isinstance(load_model(tmp_path)[0].head, ResidualSwiGLUHead)  # and it was this head that did
 
 
+@pytest.mark.parametrize("split16", [False, True], ids=["split32", "split16"])
 @pytest.mark.parametrize("kind", ["mlp", "swiglu"])
-def test_autocast_float32_model(kind, engine, monkeypatch):
+def test_autocast_float32_model(kind, engine, split16, monkeypatch):
     """An fp32 model under bf16 autocast: the split layer's per-pair sum is rounded to bf16, as the
     unsplit layer's autocast output is, and the error stays within 2x that of the materialised
-    objective under the same autocast, plus 1e-3."""
+    objective under the same autocast, plus 1e-3; also with the split's operands in bf16 (split_16bit)."""
+    switch(monkeypatch, split_16bit=split16)
     seed = 140 + (kind == "swiglu")
     f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
     head = mlp if kind == "mlp" else make_swiglu(seed=seed)
@@ -598,6 +600,44 @@ def test_autocast_float32_model(kind, engine, monkeypatch):
     assert mat_err["loss"] > 1e-6  # autocast really ran in bf16
     for name in err:
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("model", [torch.float32, torch.bfloat16])
+def test_split_16bit_operands(model, compute, monkeypatch):
+    """split_16bit: the split layer's products take the compute dtype's operands (a 16-bit one; a
+    float32 compute keeps float32) with float32 sums, forward and backward: on the CPU exactly the
+    float32 products of the rounded operands. Off, the operands are float32 whatever the compute."""
+    g = torch.Generator().manual_seed(7)
+    B, L, m, h = 3, 6, 5, 7
+    lin = nn.Linear(2 * m, h).to(model)
+    with torch.no_grad():
+        for q in lin.parameters():
+            q.copy_(torch.randn(q.shape, generator=g))
+    f, b = torch.randn(B, L, m, generator=g).to(model), torch.randn(B, L, m, generator=g).to(model)
+    lengths = torch.tensor([6, 4, 5])
+    dA, dB = torch.randn(B, L, h, generator=g), torch.randn(B, L, h, generator=g)
+    for on in (False, True):
+        switch(monkeypatch, split_16bit=on)
+        fr, br = f.clone().requires_grad_(), b.clone().requires_grad_()
+        layer = copy.deepcopy(lin)
+        A, Bt = split_linear(layer, fr, br, lengths, compute)
+        df, db, dw = torch.autograd.grad((A * dA).sum() + (Bt * dB).sum(), [fr, br, layer.weight])
+        op = compute if on and compute.itemsize == 2 else torch.float32
+        r = lambda x: x.to(op).float()  # an operand as the GEMM sees it
+        pad = (torch.arange(L)[None, :] >= lengths[:, None])[..., None]
+        fz, bz = r(f.masked_fill(pad, 0)), r(b.masked_fill(pad, 0))
+        wf, wb = r(lin.weight[:, :m].detach()), r(lin.weight[:, m:].detach())
+        assert A.dtype == Bt.dtype == torch.float32
+        torch.testing.assert_close(A, fz @ wf.t() + lin.bias.detach().float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(Bt, bz @ wb.t(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(df, (r(dA) @ wf).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(db, (r(dB) @ wb).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
+        want_dw = torch.cat([r(dA).reshape(-1, h).t() @ fz.reshape(-1, m), r(dB).reshape(-1, h).t() @ bz.reshape(-1, m)], 1)
+        torch.testing.assert_close(dw, want_dw.to(model), rtol=1e-6, atol=1e-5)
+        if on and op != torch.float32 and model == torch.float32:  # the rounding really happened
+            assert not torch.allclose(A, f.masked_fill(pad, 0) @ lin.weight[:, :m].detach().t() + lin.bias.detach(),
+                                      rtol=1e-6, atol=1e-6)
 
 
 def _large_float16_gradients(seed):

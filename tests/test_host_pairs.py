@@ -11,6 +11,8 @@ from bst_fast import _pairs
 from bst_fast.backends import pair_loss_op, runtime
 
 META = torch.device("meta")
+# what reading a meta tensor's values raises (.item(), .tolist(), bool(), a copy to the CPU)
+READ = r"meta tensor|meta device|Cannot copy out of meta|item\(\) cannot be called|not implemented for 'Meta'|data-dependent"
 
 
 def _prepare(f, tokens, lengths, pairs, **kw):
@@ -51,21 +53,34 @@ def test_prepare_and_pair_list_read_no_device(pairs, lengths):
         assert torch.equal(q.weight, p.weight)
 
 
-def test_host_resolution_only_where_the_host_knows_the_set():
-    """Device lengths or prefix_start, documents, the device sampler or all pairs keep the pair set on
-    the device (there the tokens are checked at once); host_pairs=False never resolves on the host."""
+def test_host_resolution_only_where_the_host_knows_the_set(monkeypatch):
+    """Device lengths or prefix_start, documents, the device sampler, a device generator or all pairs
+    keep the pair set on the device (there the tokens are checked at once); host_pairs=False never
+    resolves on the host. A device tensor is never brought to the host to resolve it there."""
     pytest.importorskip("bst_fast._C")
+    real = _pairs.to_device
+
+    def to_device(t, device):
+        assert not (t.device == META and torch.device(device).type == "cpu"), "a device tensor brought to the host"
+        return real(t, device)
+
+    monkeypatch.setattr(_pairs, "to_device", to_device)
     B, L = 3, 12
     f, tokens = torch.empty(B, L, 4, device=META), torch.empty(B, L, dtype=torch.long, device=META)
     for kw in (dict(lengths=torch.full((B,), L, device=META)), dict(prefix_start=torch.zeros(B, dtype=torch.long, device=META)),
                dict(pairs=None), dict(host_pairs=False)):
         opts = dict(dict(lengths=None, pairs=0.5), **kw)
-        with pytest.raises((RuntimeError, NotImplementedError)):  # a read of the meta "GPU": not on the host
+        with pytest.raises((RuntimeError, NotImplementedError), match=READ):  # a device read: not on the host
             _prepare(f, tokens, opts.pop("lengths"), opts.pop("pairs"), **opts)
     cpu = torch.zeros(B, L, 4)
     docs = torch.zeros(B, L, dtype=torch.long)
     assert not _prepare(cpu, docs, None, 0.5, documents=docs).host
     assert not _prepare(cpu, docs, None, 0.5, device_sampler=True).host
+    class DeviceGenerator(torch.Generator):  # a generator on "a GPU": the draw's seed is read there
+        device = torch.device("meta")
+
+    with pytest.raises(RuntimeError, match=READ):  # not resolved on the host: the seed is read on "the GPU"
+        _prepare(cpu, docs, None, 0.5, generator=DeviceGenerator())
     assert _prepare(cpu, docs, None, 0.5).host
 
 
@@ -88,9 +103,36 @@ def test_loss_before_the_op_reads_no_device(monkeypatch):
     loss.backward()
     assert f.grad.device == META and f.grad.shape == f.shape
     with runtime.switched(host_pairs=False):  # BST_FAST_DEVICE_PAIR_LIST=1: listed on "the GPU", which it reads
-        with pytest.raises((RuntimeError, NotImplementedError)):
+        with pytest.raises((RuntimeError, NotImplementedError), match=READ):
             belief_state_loss(f, b, tokens, head, lengths=torch.tensor([21, 20, 9, 15]), pairs=0.2, backend="triton",
                               generator=torch.Generator().manual_seed(0))
+
+
+def test_op_body_reads_no_device_before_its_kernels(monkeypatch):
+    """The triton op's own body with a host pair set and meta "GPU" tensors: its checks, the token
+    mask and the pair list read nothing; the kernels (stubbed: they cannot run on meta) get a list on
+    the device, and the one read left is the token flag's, after them (raise_on_bad_tokens). With
+    host_pairs off in its prepare (the tokens checked at once) it would read the device first."""
+    pytest.importorskip("triton")
+    from bst_fast.backends import triton_backend
+    events = []
+
+    def chunks(A, Bm, tokens, pl, weights, biases, *args):
+        events.append(("kernels", pl.ia.device, pl.perm.device))
+        zeros = lambda t: torch.zeros_like(t)
+        return A.new_zeros(()), zeros(A), zeros(Bm), [zeros(w) for w in weights], [zeros(c) for c in biases]
+
+    monkeypatch.setattr(triton_backend, "_loss_by_chunks", chunks)
+    monkeypatch.setattr(_pairs, "raise_on_bad_tokens", lambda tokens, bad, V: events.append(("flag", bad.device)))
+    B, L, h1, V = 3, 12, 8, 20
+    A, Bm = torch.empty(B, L, h1, device=META), torch.empty(B, L, h1, device=META)
+    W, c = [torch.empty(2 * V, h1, device=META)], [torch.empty(2 * V, device=META)]
+    tokens = torch.empty(B, L, dtype=torch.long, device=META)
+    row, i, j = torch.tensor([2, 0, 1, 0]), torch.tensor([0, 3, 1, 3]), torch.tensor([4, 9, 8, 9])
+    out = triton_backend.triton_pair_loss._init_fn(A, Bm, W, c, tokens, torch.tensor([12, 9, 5]), torch.zeros(B, dtype=torch.long),
+                                                   2, L, row, i, j, torch.full((4,), 0.25, dtype=torch.float64), 0.5,
+                                                   "relu", True)
+    assert events == [("kernels", META, META), ("flag", META)] and out[1].device == META
 
 
 def test_op_device_rule():
@@ -113,23 +155,25 @@ def test_op_device_rule():
                                    torch.ones((), dtype=torch.float64))
 
 
-@pytest.mark.parametrize("bad", [30, 10**9, -1])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_ce"])
+@pytest.mark.parametrize("bad", [40, 10**9, -1, -10**9])
 @pytest.mark.parametrize("pairs", [0.5, "explicit"])
-def test_op_checks_the_tokens_after_its_kernels(bad, pairs):
+def test_op_checks_the_tokens_after_its_kernels(bad, pairs, fused):
     """The triton op checks a host pair set's tokens on the device once its chunks are queued: a
-    label outside [0, V) is read by no kernel (V = 30 > 16 takes the cross-entropy's two-pass blocks
-    in the interpreter, whose label load is masked), and the error names the token as before."""
+    label outside [0, V) is read by no kernel (V = 40 > 32 takes the cross-entropy's two-pass blocks
+    in the interpreter, as every GPU shape does, whose label load is masked: unmasked, 10**9 crashed
+    the interpreter; the fused kernel only compares), and the error names the token as before."""
     pytest.importorskip("bst_fast._C")
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(0)
-    B, L, m, V = 2, 11, 5, 30
+    B, L, m, V = 2, 11, 5, 40
     head = TextHead(m, V, hidden=8, n_layers=2)
     f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
     tokens = torch.randint(0, V, (B, L), generator=g)
     tokens[1, 4] = bad
     if pairs == "explicit":
         pairs = (torch.tensor([1, 0]), torch.tensor([3, 0]), torch.tensor([6, 9]))  # (1, 3, 6) reads tokens[1, 4]
-    with pytest.raises(IndexError, match=rf"tokens\[1, 4\] = {bad}"):
+    with runtime.switched(fused_ce=fused), pytest.raises(IndexError, match=rf"tokens\[1, 4\] = {bad}"):
         belief_state_loss(f, b, tokens, head, lengths=torch.tensor([L, L]), pairs=pairs, backend="triton",
                           generator=torch.Generator().manual_seed(1))
 

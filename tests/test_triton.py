@@ -181,8 +181,10 @@ def test_subsampled_pairs(chunk_pairs):
         _check(f, b, tokens, head, pairs=pairs, seed=5)
 
 
+@pytest.mark.parametrize("split16", [False, True], ids=["split32", "split16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype, chunk_pairs):
+def test_half_precision(dtype, split16, chunk_pairs, monkeypatch):
+    switch(monkeypatch, split_16bit=split16)  # the split layer's operands: float32, or the 16-bit inputs'
     chunk_pairs(17)
     _check(*_inputs(2, 9, 5, 19, n_layers=3, activation="gelu", seed=12), dtype=dtype)
 
@@ -217,9 +219,12 @@ def test_bitwise_reproducible(explicit, chunk_pairs):
     assert all(torch.equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
 
 
-def test_bf16_compute_for_an_fp32_model():
+@pytest.mark.parametrize("split16", [False, True], ids=["split32", "split16"])
+def test_bf16_compute_for_an_fp32_model(split16, monkeypatch):
     """What CUDA autocast selects: fp32 f, b and head, bf16 matrix operands, fp32 accumulation. The
-    error is that of bf16 rounding of the hidden states and the last layer, not worse."""
+    error is that of bf16 rounding of the hidden states and the last layer, not worse; with
+    split_16bit also of f, b and the first layer's weights, as the unsplit layer's operands are."""
+    switch(monkeypatch, split_16bit=split16)
     f, b, tokens, head = _inputs(2, 9, 5, 19, n_layers=3, seed=15)
     p = _pairs.prepare(f, b, tokens, 19, lengths=None, prefix_start=0, min_gap=2, max_gap=None,
                        pairs=None, next_weight=0.5, reduction="mean", generator=None)

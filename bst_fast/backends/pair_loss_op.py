@@ -29,7 +29,7 @@ def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.
     (autograd casts their gradients back), and need_grad when any of them needs a gradient."""
     if p.bounds is not None:  # packed rows (docs/contract.md §10): the schema takes their pairs listed
         p = _pairs.listed(p, f.shape[1])
-    A, Bm = head.first_layer_states(f, b, _pairs.to_device(p.lengths, f.device))  # (B, L, h1) float32 each
+    A, Bm = head.first_layer_states(f, b, _pairs.to_device(p.lengths, f.device), dtype)  # (B, L, h1) float32 each
     weights = [layer.weight.to(dtype) for layer in head.layers[1:]]
     biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))

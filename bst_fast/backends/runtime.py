@@ -113,6 +113,12 @@ class Switches:
     # docs/backends.md "Host pair lists"). On: it only removes synchronisations; not timed on a GPU
     # yet. BST_FAST_DEVICE_PAIR_LIST=1 lists it on the device as before, to time the two.
     host_pairs: bool = True
+    # The split first layer's GEMMs (head.split_linear: A = f W1f^T + c1, B = b W1b^T and their
+    # gradients) with 16-bit operands, the unsplit layer's compute dtype, and float32 accumulation
+    # and result, BST_FAST_SPLIT_16BIT=1. Off: float32 operands, float32 GEMMs (not the tensor cores';
+    # no TF32 unless the user allows it): at the paper's shape about 0.3 TFLOP a step for the MLP head
+    # and 5 for the SwiGLU head's gate_up (8192 wide). Not timed on a GPU yet.
+    split_16bit: bool = False
 
     @classmethod
     def from_environment(cls) -> "Switches":
@@ -128,7 +134,8 @@ class Switches:
                    fused_ce=env_flag("BST_FAST_FUSED_CE"),
                    relu_in_gemm=env_flag("BST_FAST_RELU_IN_GEMM"),
                    hidden_sums=env_flag("BST_FAST_HIDDEN_SUMS"),
-                   host_pairs=not env_flag("BST_FAST_DEVICE_PAIR_LIST"))
+                   host_pairs=not env_flag("BST_FAST_DEVICE_PAIR_LIST"),
+                   split_16bit=env_flag("BST_FAST_SPLIT_16BIT"))
 
 
 # The switches in force: the environment's, read once when bst_fast is imported.

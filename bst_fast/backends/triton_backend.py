@@ -60,7 +60,7 @@ import torch
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
 from . import pair_loss_op, runtime
-from ..head import activation, activation_grad
+from ..head import activation, activation_grad, mm_f32
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 from ..kernels.hidden_grad import act_grad_sums_, hidden_grad_programs
@@ -72,18 +72,6 @@ from .runtime import LossOptions, fused_problem, on_device
 NAME = "triton"
 FUSED = True
 HOST_PAIRS = True  # pair_list builds a host pair set's list on the host, no device sync
-
-
-def _mm_f32(a, b):
-    """a @ b with a float32 result: accumulated and returned in float32, also for bf16/fp16 operands."""
-    if a.dtype == torch.float32 or a.dtype == torch.float64:
-        return a @ b
-    if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: round once, then add
-            return (a @ b).float()
-    return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 
 def _ones_column(rows: int, width: int, dtype, device):
@@ -191,12 +179,12 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
                     dH = activation_grad(act_name, dH, Zs[k])
             if ones and made is None:
                 width = Hs[k].shape[1]
-                g = _mm_f32(dH.t(), ones[k][:n])
+                g = mm_f32(dH.t(), ones[k][:n])
                 dW[k] += g[:, :width]
                 dc[k] += g[:, width]
             else:
                 dc[k] += dH.sum(0, dtype=torch.float32) if made is None else made.sum(0)
-                dW[k] += _mm_f32(dH.t(), Hs[k])
+                dW[k] += mm_f32(dH.t(), Hs[k])
             dH = dH @ weights[k]
         del Z, Zs, Hs
         segment_grads(dH, A, Bm, pl, chunk, dA, dB, act_id, 1.0, cfg)
@@ -263,8 +251,8 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     with on_device(A.device):
         loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, weights, biases, activation, next_weight, need_grad,
                                                dtype, cfg, V)
-    if bad_tok is not None and bool(bad_tok.any()):  # the op's one synchronisation, after its kernels
-        _pairs._raise_token(tokens, bad_tok, V)
+    if bad_tok is not None:  # the op's one synchronisation, after its kernels
+        _pairs.raise_on_bad_tokens(tokens, bad_tok, V)
     if need_grad and Vp != V:
         dW[-1], dc[-1] = _unpadded(dW[-1], V, Vp), _unpadded(dc[-1], V, Vp)
     if not need_grad:
