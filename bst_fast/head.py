@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._pairs import ACTIVATIONS
+from .backends import runtime
 
 
 class PairParts(NamedTuple):
@@ -146,8 +147,6 @@ def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: O
     the switch split_16bit is on and `compute`, the dtype of the unsplit layer's operands (None:
     linear_dtype's, autocast's or the layer's own), is 16-bit: then they take that dtype, as the
     unsplit layer's would, with float32 accumulation (mm_f32), forward and backward."""
-    from .backends import runtime  # here, not at the top: runtime imports this module (TextHead)
-
     m = f.shape[-1]
     compute = linear_dtype(linear, f.device.type) if compute is None else compute
     operand = compute if runtime.SWITCHES.split_16bit and compute.itemsize == 2 else _table_dtype(f)

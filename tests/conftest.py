@@ -6,6 +6,13 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before triton is first imported anywhere in the session.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The kernels too are made now: triton.jit reads the variable when a kernel module is imported,
+    # and a test that unsets it (tests/test_errors.py) must not be the first to import them (its
+    # kernels would then want a GPU driver for the rest of the session, whatever the file order).
+    try:
+        import bst_fast.backends.triton_backend  # noqa: F401
+    except ImportError:  # no triton: the tests that need it skip
+        pass
 
 
 import pytest  # noqa: E402

@@ -6,7 +6,8 @@ import torch
 from .. import _ext  # noqa: F401  (loads the library; TORCH_LIBRARY registers the ops)
 from .._pairs import Pairs
 from . import pair_loss_op
-from .runtime import LossOptions, fused_problem
+from .pair_loss_op import fused_problem
+from .runtime import LossOptions
 
 NAME = "cpp"
 FUSED = True

@@ -12,7 +12,8 @@ tensors (lengths, prefix_start, weight and a listed row, i, j) are on A's device
 all on the CPU (the triton op builds its pair list on the host then: check_devices). The op returns
 the loss and, with need_grad, every gradient in float32 (empty tensors without); autograd only
 scales them by grad_output, since the loss is the graph's last node. `text_head_arguments` builds
-these arguments from a TextHead, the one place the fused backends read a head's layers.
+these arguments from a TextHead, the one place the fused backends read a head's layers;
+`fused_problem` says whether a fused backend takes a head and dtype at all.
 """
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ import functools
 import torch
 
 from .. import _pairs
+from ..head import TextHead
+
+
+def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
+    """Why the fused engine `name` cannot take this head and dtype (None if it can): it computes a
+    TextHead in 32 or 16 bits."""
+    if not isinstance(head, TextHead):
+        return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
+    if dtype == torch.float64:
+        return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
+                "'torch' or 'reference'")
+    return None
 
 
 def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.dtype):

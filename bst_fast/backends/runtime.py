@@ -1,8 +1,8 @@
 """What every backend takes at run time besides the tensors and the pair set.
 
 The options of a run (`LossOptions`), the process's runtime switches (`Switches`, read once from the
-environment into `SWITCHES`), the check that a fused engine can take a head, and the CUDA device
-guard of Triton launches.
+environment into `SWITCHES`), and the CUDA device guard of Triton launches. It imports no other
+module of the package, so that any (the heads' split_linear too) can read the switches.
 
 `SWITCHES` is the one place the switches live: tests and benchmarks change them with `switched`
 (or monkeypatch `runtime.SWITCHES`); a `LossOptions` made without switches takes the ones in force.
@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from ..head import TextHead
 
 
 def env_mb(name: str, default: float) -> int:
@@ -168,17 +167,6 @@ class LossOptions:
     # the inputs' dtype. The other backends leave precision to the head and autocast.
     compute_dtype: Optional[torch.dtype] = None
     switches: Switches = dataclasses.field(default_factory=_switches_in_force)
-
-
-def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
-    """Why the fused engine `name` cannot take this head and dtype (None if it can): it computes a
-    TextHead in 32 or 16 bits."""
-    if not isinstance(head, TextHead):
-        return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
-    if dtype == torch.float64:
-        return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
-                "'torch' or 'reference'")
-    return None
 
 
 def on_device(device: torch.device):

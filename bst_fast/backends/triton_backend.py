@@ -67,7 +67,8 @@ from ..kernels.hidden_grad import act_grad_sums_, hidden_grad_programs
 from ..kernels.logits_cross_entropy import logits_ce_programs, pair_logits_cross_entropy_
 from ..kernels.pair_hidden import pair_hidden, segment_grads
 from .launch import chunk_config, hidden_grad_config
-from .runtime import LossOptions, fused_problem, on_device
+from .pair_loss_op import fused_problem
+from .runtime import LossOptions, on_device
 
 NAME = "triton"
 FUSED = True
