@@ -146,10 +146,14 @@ def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: O
     The products' operands are float32 too (float32 GEMMs: on a GPU off the tensor cores), unless
     the switch split_16bit is on and `compute`, the dtype of the unsplit layer's operands (None:
     linear_dtype's, autocast's or the layer's own), is 16-bit: then they take that dtype, as the
-    unsplit layer's would, with float32 accumulation (mm_f32), forward and backward."""
+    unsplit layer's would, with float32 accumulation (mm_f32). In the backward that rounds the
+    float32 dA and dB to bfloat16, as the unsplit layer's per-pair gradient is rounded; a float16
+    compute keeps them float32 (float16's range would lose tiny pair weights' gradients to
+    subnormals), so there the backward's GEMMs stay float32."""
     m = f.shape[-1]
     compute = linear_dtype(linear, f.device.type) if compute is None else compute
-    operand = compute if runtime.SWITCHES.split_16bit and compute.itemsize == 2 else _table_dtype(f)
+    sixteen = runtime.SWITCHES.split_16bit and compute.itemsize == 2 and f.dtype != torch.float64
+    operand = compute if sixteen else _table_dtype(f)
     return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias, operand)
 
 
@@ -158,7 +162,8 @@ class _SplitLinear(torch.autograd.Function):
     keeps the float32 (zero-padded) copies of f and b from the forward to the backward, 8 bytes a
     position and model unit for bf16 states (the step's largest saved tensors after the encoders').
     This keeps f and b as given (often held anyway) and makes the padded float32 copies again in
-    the backward, one side at a time. The same products in the same order: the same values."""
+    the backward, one side at a time. The same products in the same order: the same values (with
+    float32 operands; split_16bit's 16-bit ones are rounded again in the backward, as in the forward)."""
 
     @staticmethod
     def forward(ctx, f, b, lengths, wf, wb, c, operand):
@@ -192,6 +197,7 @@ def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
     """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w), from
     operands in `operand` accumulated in float32 (float64): dx zero at padding (as zero_padding's
     gradient is), in x's dtype; dw in w's."""
+    operand = operand if operand == torch.bfloat16 else _table_dtype(x)  # see split_linear: not float16
     d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
     dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(x.dtype) if need_x else None
     dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None
@@ -205,8 +211,8 @@ def mm_f32(a, b):
     if a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: round once, then add
-            return (a @ b).float()
+        except TypeError:  # a torch without mm's out_dtype: float32 products (slower, not rounded)
+            return a.float() @ b.float()
     return a.float() @ b.float()  # the CPU (interpreter tests): exact products, float32 sums
 
 

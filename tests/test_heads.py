@@ -3,6 +3,7 @@ and against the float64 reference on every path that takes it, the per-token spl
 (pair_parts), chunk boundaries of the torch backend, tying, the model/config/CLI switch, decoding
 with the new head, and a short star-graph run."""
 import copy
+import importlib.util
 import math
 import os
 
@@ -606,7 +607,8 @@ def test_autocast_float32_model(kind, engine, split16, monkeypatch):
 @pytest.mark.parametrize("model", [torch.float32, torch.bfloat16])
 def test_split_16bit_operands(model, compute, monkeypatch):
     """split_16bit: the split layer's products take the compute dtype's operands (a 16-bit one; a
-    float32 compute keeps float32) with float32 sums, forward and backward: on the CPU exactly the
+    float32 compute keeps float32) with float32 sums, forward and backward (the backward's dA, dB
+    rounded only to bfloat16: float16 keeps them and the backward float32): on the CPU exactly the
     float32 products of the rounded operands. Off, the operands are float32 whatever the compute."""
     g = torch.Generator().manual_seed(7)
     B, L, m, h = 3, 6, 5, 7
@@ -624,20 +626,55 @@ def test_split_16bit_operands(model, compute, monkeypatch):
         A, Bt = split_linear(layer, fr, br, lengths, compute)
         df, db, dw = torch.autograd.grad((A * dA).sum() + (Bt * dB).sum(), [fr, br, layer.weight])
         op = compute if on and compute.itemsize == 2 else torch.float32
+        back = op if op == torch.bfloat16 else torch.float32
         r = lambda x: x.to(op).float()  # an operand as the GEMM sees it
+        rb = lambda x: x.to(back).float()  # the backward's
         pad = (torch.arange(L)[None, :] >= lengths[:, None])[..., None]
         fz, bz = r(f.masked_fill(pad, 0)), r(b.masked_fill(pad, 0))
         wf, wb = r(lin.weight[:, :m].detach()), r(lin.weight[:, m:].detach())
         assert A.dtype == Bt.dtype == torch.float32
         torch.testing.assert_close(A, fz @ wf.t() + lin.bias.detach().float(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(Bt, bz @ wb.t(), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(df, (r(dA) @ wf).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(db, (r(dB) @ wb).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
-        want_dw = torch.cat([r(dA).reshape(-1, h).t() @ fz.reshape(-1, m), r(dB).reshape(-1, h).t() @ bz.reshape(-1, m)], 1)
+        wfb, wbb = rb(lin.weight[:, :m].detach()), rb(lin.weight[:, m:].detach())
+        fb, bb = rb(f.masked_fill(pad, 0)), rb(b.masked_fill(pad, 0))
+        torch.testing.assert_close(df, (rb(dA) @ wfb).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(db, (rb(dB) @ wbb).masked_fill(pad, 0).to(model), rtol=1e-6, atol=1e-6)
+        want_dw = torch.cat([rb(dA).reshape(-1, h).t() @ fb.reshape(-1, m), rb(dB).reshape(-1, h).t() @ bb.reshape(-1, m)], 1)
         torch.testing.assert_close(dw, want_dw.to(model), rtol=1e-6, atol=1e-5)
         if on and op != torch.float32 and model == torch.float32:  # the rounding really happened
             assert not torch.allclose(A, f.masked_fill(pad, 0) @ lin.weight[:, :m].detach().t() + lin.bias.detach(),
                                       rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_split_16bit_reaches_every_caller(on, monkeypatch):
+    """Where each backend's split layer takes its operand dtype: triton from the compute dtype it is
+    given (the CUDA autocast dtype; it runs with autocast off), the torch backend from the caller's
+    autocast, cpp always float32 (its engine's); float32 for all with the switch off."""
+    from bst_fast import head as head_mod
+    from bst_fast.backends import cpp_backend
+    from bst_fast.backends.runtime import LossOptions
+
+    switch(monkeypatch, split_16bit=on)
+    seen = []
+    real = head_mod._linear_f32
+    monkeypatch.setattr(head_mod, "_linear_f32", lambda x, w, c: seen.append(x.dtype) or real(x, w, c))
+    f, b, tokens, head = make_inputs(B=2, L=7, m=4, V=9, seed=3)  # a float32 model
+    p = _pairs.prepare(f, b, tokens, 9, lengths=None, prefix_start=0, min_gap=2, max_gap=None, pairs=None,
+                       next_weight=0.5, reduction="mean", generator=None)
+    want = torch.bfloat16 if on else torch.float32
+    pytest.importorskip("triton")
+    from bst_fast.backends import triton_backend
+    triton_backend.run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=9, compute_dtype=torch.bfloat16))
+    assert seen == [want, want]
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        belief_state_loss(f, b, tokens, head, backend="torch")
+    assert seen == [want, want]
+    if importlib.util.find_spec("bst_fast._C") is not None:
+        seen.clear()
+        cpp_backend.run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=9))
+        assert seen == [torch.float32, torch.float32]
 
 
 def _large_float16_gradients(seed):
@@ -922,7 +959,9 @@ def _split_linear_by_autograd(linear, f, b, lengths):
 def test_split_linear_backward_and_what_it_keeps(dtype, bias):
     """split_linear's own backward gives the values of autograd through F.linear of the padded float32
     copies, bitwise, with NaN at padding kept out of every gradient; and it keeps f and b themselves
-    for the backward, no float32 copy of either (8 bytes a unit for bf16 states)."""
+    for the backward, no float32 copy of either (8 bytes a unit for bf16 states). (float32 operands:
+    split_16bit off, whatever the environment says.)"""
+    from bst_fast.backends import runtime as rt
     g = torch.Generator().manual_seed(81)
     lin = nn.Linear(14, 9, bias=bias).to(dtype)
     f, b = [torch.randn(3, 5, 7, generator=g).to(dtype).requires_grad_() for _ in range(2)]
@@ -934,7 +973,8 @@ def test_split_linear_backward_and_what_it_keeps(dtype, bias):
     results = []
     for fn in (_split_linear_by_autograd, split_linear):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with rt.switched(split_16bit=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             A, B = fn(lin, f, b, lengths)
         grads = torch.autograd.grad((A * dA.to(A.dtype)).sum() + (B * dB.to(B.dtype)).sum(), [f, b, *lin.parameters()])
         results.append(([A, B, *grads], saved))
