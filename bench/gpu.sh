@@ -69,14 +69,15 @@ slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
 step 120 check-fused $F python3 bench/gpu_check.py cuda triton
 # Table 3's BST columns with the switches as they are, then with the four levers on ($F): side by side
-# in one run (the SwiGLU column takes split_16bit alone: the torch backend); first the improved column
+# in one run (the SwiGLU column takes split_16bit alone: the torch backend); last the improved column
 # with its subsample listed on the device (host_pairs off, as before it was built: compare its
-# pair-loss phase with the unfused run's, docs/backends.md "Host pair lists")
+# pair-loss phase with the unfused run's, docs/backends.md "Host pair lists"), the first cut if time
+# runs short
 C="bst-original bst-improved bst-improved-swiglu"
-step 300 paper-fused bash -c "BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-improved --out $out/$slug-device-pairs; python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns $C --out $out/$slug-unfused && $F python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns $C --out $out/$slug-fused"
+step 330 paper-fused bash -c "python3 bench/paper_speed.py --device cuda --shape paper --columns $C \
+    --out $out/$slug-unfused; $F python3 bench/paper_speed.py --device cuda --shape paper --columns $C \
+    --out $out/$slug-fused; BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
+    --columns bst-improved --out $out/$slug-device-pairs"
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
