@@ -327,15 +327,20 @@ def _as_row_vector(x, name, B, device):
 
 
 def row_problems(tokens, lengths, vocab_size):
-    """Two masks, no synchronisation: lengths outside [0, L], and ids outside [0, vocab_size) at
-    valid positions (every token a row can use as a label; padding is not checked); vocab_size
-    None checks no id (all False)."""
+    """Two masks, no synchronisation: lengths outside [0, L] (on lengths' device), and ids outside
+    [0, vocab_size) at valid positions (token_problems, on tokens' device)."""
     L = tokens.shape[1]
-    bad_len = (lengths < 0) | (lengths > L)
+    return (lengths < 0) | (lengths > L), token_problems(tokens, lengths, vocab_size)
+
+
+def token_problems(tokens, lengths, vocab_size):
+    """The mask of ids outside [0, vocab_size) at valid positions (every token a row can use as a
+    label; padding is not checked), no synchronisation; vocab_size None checks no id (all False)."""
+    L = tokens.shape[1]
     if vocab_size is None:
-        return bad_len, torch.zeros_like(tokens, dtype=torch.bool)
-    valid = torch.arange(L, device=tokens.device)[None] < lengths.clamp(0, L)[:, None]
-    return bad_len, valid & ((tokens < 0) | (tokens >= vocab_size))
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    valid = torch.arange(L, device=tokens.device)[None] < to_device(lengths, tokens.device).clamp(0, L)[:, None]
+    return valid & ((tokens < 0) | (tokens >= vocab_size))
 
 
 def _raise_length(lengths, bad_len, L):
@@ -349,7 +354,7 @@ def _raise_token(tokens, bad_tok, vocab_size):
 
 
 def raise_on_bad_tokens(tokens, bad_tok, vocab_size):
-    """row_problems' token mask as the error naming the first bad token: one host read of its flag
+    """token_problems' mask as the error naming the first bad token: one host read of its flag
     (the triton op's for a host pair set, once its kernels are queued)."""
     if bool(bad_tok.any()):
         _raise_token(tokens, bad_tok, vocab_size)
@@ -492,11 +497,11 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     total = counts.sum()
     if checking:
         # resolved on the host, the tokens are left to the op (host_pairs): no flag here reads the device
-        bad_len, bad_tok = row_problems(tokens, lengths, vocab_size) if not host else \
-            ((lengths < 0) | (lengths > L), torch.zeros((), dtype=torch.bool))
+        bad_len, bad_tok = row_problems(tokens, lengths, None if host else vocab_size)
         bad_start = prefix_start < 0
         no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
-        flags = [bad_len.any(), bad_start.any(), bad_tok.any().to(dev)] + [d.any() for _, _, d in downs] + [no_pair]
+        tok_flag = torch.zeros((), dtype=torch.bool) if host else bad_tok.any()
+        flags = [bad_len.any(), bad_start.any(), tok_flag] + [d.any() for _, _, d in downs] + [no_pair]
         any_bad = torch.stack(flags).tolist()  # one sync (none on the host)
         if any_bad[0]:
             _raise_length(lengths, bad_len, L)

@@ -153,8 +153,10 @@ def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: O
     m = f.shape[-1]
     compute = linear_dtype(linear, f.device.type) if compute is None else compute
     sixteen = runtime.SWITCHES.split_16bit and compute.itemsize == 2 and f.dtype != torch.float64
-    operand = compute if sixteen else _table_dtype(f)
-    return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias, operand)
+    forward = compute if sixteen else _table_dtype(f)
+    backward = forward if forward == torch.bfloat16 else _table_dtype(f)
+    return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias,
+                              (forward, backward))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -166,10 +168,11 @@ class _SplitLinear(torch.autograd.Function):
     float32 operands; split_16bit's 16-bit ones are rounded again in the backward, as in the forward)."""
 
     @staticmethod
-    def forward(ctx, f, b, lengths, wf, wb, c, operand):
+    def forward(ctx, f, b, lengths, wf, wb, c, operands):
+        # operands: the dtypes of the forward's and of the backward's matrix operands (split_linear)
         ctx.save_for_backward(f, b, lengths, wf, wb)
-        ctx.bias_dtype, ctx.operand = None if c is None else c.dtype, operand
-        dtype = _table_dtype(f)
+        ctx.bias_dtype, ctx.operand = None if c is None else c.dtype, operands[1]
+        operand, dtype = operands[0], _table_dtype(f)
         with torch.autocast(f.device.type, enabled=False):
             A = _linear_f32(_float_input(f, lengths, operand), wf.to(operand), None if c is None else c.to(dtype))
             return A, _linear_f32(_float_input(b, lengths, operand), wb.to(operand), None)
@@ -197,7 +200,6 @@ def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
     """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w), from
     operands in `operand` accumulated in float32 (float64): dx zero at padding (as zero_padding's
     gradient is), in x's dtype; dw in w's."""
-    operand = operand if operand == torch.bfloat16 else _table_dtype(x)  # see split_linear: not float16
     d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
     dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(x.dtype) if need_x else None
     dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None

@@ -18,6 +18,7 @@ these arguments from a TextHead, the one place the fused backends read a head's 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 

@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 
-
 def env_mb(name: str, default: float) -> int:
     """Bytes from the environment variable `name`, in MB (a positive number), else `default` MB."""
     text = os.environ.get(name)
@@ -114,9 +113,10 @@ class Switches:
     host_pairs: bool = True
     # The split first layer's GEMMs (head.split_linear: A = f W1f^T + c1, B = b W1b^T and their
     # gradients) with 16-bit operands, the unsplit layer's compute dtype, and float32 accumulation
-    # and result (float16: the forward's only), BST_FAST_SPLIT_16BIT=1. Off: float32 operands, float32 GEMMs (not the tensor cores';
-    # no TF32 unless the user allows it): at the paper's shape about 0.3 TFLOP a step for the MLP head
-    # and 5 for the SwiGLU head's gate_up (8192 wide). Not timed on a GPU yet.
+    # and result (float16: the forward's only), BST_FAST_SPLIT_16BIT=1. Off: float32 operands,
+    # float32 GEMMs (not the tensor cores'; no TF32 unless the user allows it): at the paper's shape
+    # about 0.3 TFLOP a step for the MLP head and 5 for the SwiGLU head's gate_up (8192 wide). Not
+    # timed on a GPU yet.
     split_16bit: bool = False
 
     @classmethod

@@ -237,7 +237,7 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     checked = _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                              max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
                              reduction="sum", generator=None, meet_token=meet_token, host_pairs=True)
-    bad_tok = _pairs.row_problems(tokens, _pairs.to_device(lengths, A.device), V)[1] if checked.host else None
+    bad_tok = _pairs.token_problems(tokens, lengths, V) if checked.host else None
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
               weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
