@@ -152,11 +152,17 @@ def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: O
     subnormals), so there the backward's GEMMs stay float32."""
     m = f.shape[-1]
     compute = linear_dtype(linear, f.device.type) if compute is None else compute
-    sixteen = runtime.SWITCHES.split_16bit and compute.itemsize == 2 and f.dtype != torch.float64
-    forward = compute if sixteen else _table_dtype(f)
-    backward = forward if forward == torch.bfloat16 else _table_dtype(f)
     return _SplitLinear.apply(f, b, lengths, linear.weight[:, :m], linear.weight[:, m:], linear.bias,
-                              (forward, backward))
+                              split_operands(compute, f.dtype))
+
+
+def split_operands(compute: torch.dtype, dtype: torch.dtype):
+    """The dtypes of a split layer's matrix operands, (forward, backward), for inputs of `dtype`
+    whose unsplit layer would compute in `compute` (split_linear says why)."""
+    table = torch.float64 if dtype == torch.float64 else torch.float32
+    sixteen = runtime.SWITCHES.split_16bit and compute.itemsize == 2 and dtype != torch.float64
+    forward = compute if sixteen else table
+    return forward, (forward if forward == torch.bfloat16 else table)
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -172,20 +178,26 @@ class _SplitLinear(torch.autograd.Function):
         # operands: the dtypes of the forward's and of the backward's matrix operands (split_linear)
         ctx.save_for_backward(f, b, lengths, wf, wb)
         ctx.bias_dtype, ctx.operand = None if c is None else c.dtype, operands[1]
-        operand, dtype = operands[0], _table_dtype(f)
         with torch.autocast(f.device.type, enabled=False):
-            A = _linear_f32(_float_input(f, lengths, operand), wf.to(operand), None if c is None else c.to(dtype))
-            return A, _linear_f32(_float_input(b, lengths, operand), wb.to(operand), None)
+            return split_part(f, lengths, wf, c, operands[0]), split_part(b, lengths, wb, None, operands[0])
 
     @staticmethod
     def backward(ctx, dA, dB):
         f, b, lengths, wf, wb = ctx.saved_tensors
         need, op = ctx.needs_input_grad, ctx.operand
         with torch.autocast(f.device.type, enabled=False):
-            df, dwf = _side_grads(f, dA, wf, lengths, need[0], need[3], op)
-            db, dwb = _side_grads(b, dB, wb, lengths, need[1], need[4], op)
+            df, dwf = split_part_grads(f, dA, wf, lengths, need[0], need[3], op)
+            db, dwb = split_part_grads(b, dB, wb, lengths, need[1], need[4], op)
             dc = dA.reshape(-1, dA.shape[-1]).sum(0).to(ctx.bias_dtype) if need[5] else None
-        return df, db, None, dwf, dwb, dc, None
+        as_weight = lambda g, w: None if g is None else g.to(w.dtype)
+        return df, db, None, as_weight(dwf, wf), as_weight(dwb, wb), dc, None
+
+
+def split_part(x, lengths, w, c, operand):
+    """One part of a split layer, x W^T (+ c), accumulated and returned in float32 (float64 for
+    float64 x): x zeroed at positions >= lengths (None: none), the product's operands in `operand`
+    (split_operands' forward dtype), the bias added in float32."""
+    return _linear_f32(_float_input(x, lengths, operand), w.to(operand), None if c is None else c.to(_table_dtype(x)))
 
 
 def _linear_f32(x, w, c):
@@ -196,13 +208,13 @@ def _linear_f32(x, w, c):
     return out if c is None else out + c
 
 
-def _side_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
-    """The gradients of x and w for dz, the gradient of linear(x zeroed at padding, w), from
-    operands in `operand` accumulated in float32 (float64): dx zero at padding (as zero_padding's
-    gradient is), in x's dtype; dw in w's."""
+def split_part_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
+    """The gradients of x and w for dz, the gradient of split_part(x, lengths, w, ..), from operands
+    in `operand` (split_operands' backward dtype) accumulated in float32 (float64): dx zero at
+    padding (as zero_padding's gradient is), in x's dtype; dw in float32 (float64)."""
     d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
     dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(x.dtype) if need_x else None
-    dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])).to(w.dtype) if need_w else None
+    dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])) if need_w else None
     return dx, dw
 
 

@@ -117,22 +117,23 @@ def test_op_body_reads_no_device_before_its_kernels(monkeypatch):
     from bst_fast.backends import triton_backend
     events = []
 
-    def chunks(A, Bm, tokens, pl, weights, biases, *args):
-        events.append(("kernels", pl.ia.device, pl.perm.device))
+    def chunks(f, b, lengths, tokens, pl, weights, biases, *args):
+        events.append(("kernels", pl.ia.device, pl.perm.device, lengths.device))
         zeros = lambda t: torch.zeros_like(t)
-        return A.new_zeros(()), zeros(A), zeros(Bm), [zeros(w) for w in weights], [zeros(c) for c in biases]
+        return f.new_zeros(()), zeros(f), zeros(b), [zeros(w) for w in weights], [zeros(c) for c in biases]
 
     monkeypatch.setattr(triton_backend, "_loss_by_chunks", chunks)
     monkeypatch.setattr(_pairs, "raise_on_bad_tokens", lambda tokens, bad, V: events.append(("flag", bad.device)))
-    B, L, h1, V = 3, 12, 8, 20
-    A, Bm = torch.empty(B, L, h1, device=META), torch.empty(B, L, h1, device=META)
-    W, c = [torch.empty(2 * V, h1, device=META)], [torch.empty(2 * V, device=META)]
+    B, L, m, h1, V = 3, 12, 5, 8, 20
+    A, Bm = torch.empty(B, L, m, device=META), torch.empty(B, L, m, device=META)  # f, b: the op takes the whole head
+    W = [torch.empty(h1, 2 * m, device=META), torch.empty(2 * V, h1, device=META)]
+    c = [torch.empty(h1, device=META), torch.empty(2 * V, device=META)]
     tokens = torch.empty(B, L, dtype=torch.long, device=META)
     row, i, j = torch.tensor([2, 0, 1, 0]), torch.tensor([0, 3, 1, 3]), torch.tensor([4, 9, 8, 9])
     out = triton_backend.triton_pair_loss._init_fn(A, Bm, W, c, tokens, torch.tensor([12, 9, 5]), torch.zeros(B, dtype=torch.long),
                                                    2, L, row, i, j, torch.full((4,), 0.25, dtype=torch.float64), 0.5,
                                                    "relu", True)
-    assert events == [("kernels", META, META), ("flag", META)] and out[1].device == META
+    assert events == [("kernels", META, META, META), ("flag", META)] and out[1].device == META
 
 
 def test_op_device_rule():

@@ -286,12 +286,15 @@ def test_ops_check_meet_token():
     pytest.importorskip("triton")
     from bst_fast.backends import triton_backend  # noqa: F401  (registers the op)
     tri = torch.ops.bst_fast.triton_pair_loss
+    # the triton op takes the whole head: f, b (B, L, m = 3) and the first layer's (4, 6) weight first
+    f, b = torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g)
+    W, c = [torch.randn(4, 6, generator=g)] + W, [torch.randn(4, generator=g)] + c
     with pytest.raises(ValueError, match="min_gap=1 needs meet_token"):
-        tri(A, Bm, W, c, *common, 1, 6, None, None, None, one, 0.5, "gelu", True)
+        tri(f, b, W, c, *common, 1, 6, None, None, None, one, 0.5, "gelu", True)
     with pytest.raises(ValueError, match=r"meet_token must lie in \[0, vocab_size=5\), got 5"):
-        tri(A, Bm, W, c, *common, 1, 6, None, None, None, one, 0.5, "gelu", True, meet_token=5)
+        tri(f, b, W, c, *common, 1, 6, None, None, None, one, 0.5, "gelu", True, meet_token=5)
     with pytest.raises(ValueError, match="weight must have shape"):
-        tri(A, Bm, W, c, *common, 2, 6, None, None, None, torch.ones(3, dtype=torch.float64), 0.5, "gelu", True)
+        tri(f, b, W, c, *common, 2, 6, None, None, None, torch.ones(3, dtype=torch.float64), 0.5, "gelu", True)
 
 
 def test_row_mean_of_a_batch_with_one_row_is_its_mean():

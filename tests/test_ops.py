@@ -42,6 +42,20 @@ def test_opcheck_pair_loss_no_grad_and_three_layers():
     torch.library.opcheck(torch.ops.bst_fast.pair_loss.default, op_args(True, seed=2, requires_grad=False, n_hidden=3))
 
 
+def whole_head_args(listed, seed=0, requires_grad=True, n_hidden=2):
+    """The triton op's form of op_args: f, b (B, L, m=3) and the first layer's own (h1, 2m) weight
+    and bias first in the lists (the op splits it itself), at the same odd sizes."""
+    g = torch.Generator().manual_seed(100 + seed)
+    args = list(op_args(listed, seed, requires_grad, n_hidden))
+    B, L, h1 = args[0].shape
+    f, b = torch.randn(B, L, 3, generator=g), torch.randn(B, L, 3, generator=g)
+    W1, c1 = torch.randn(h1, 6, generator=g) * 0.5, torch.randn(h1, generator=g) * 0.5
+    for t in (f, b, W1, c1):
+        t.requires_grad_(requires_grad)
+    args[:4] = [f, b, [W1] + args[2], [c1] + args[3]]
+    return tuple(args)
+
+
 def _on_device(args):
     """op_args on the device the triton op runs on: the GPU, or the CPU under TRITON_INTERPRET=1."""
     if not torch.cuda.is_available():
@@ -55,28 +69,34 @@ def test_opcheck_triton_pair_loss(listed):
     """The GPU op shares the C++ op's schema, fake and autograd rules, and passes the same checks."""
     pytest.importorskip("triton")
     import bst_fast.backends.triton_backend  # noqa: F401  (defines the op)
-    torch.library.opcheck(torch.ops.bst_fast.triton_pair_loss.default, _on_device(op_args(listed, seed=4 + listed)))
+    torch.library.opcheck(torch.ops.bst_fast.triton_pair_loss.default, _on_device(whole_head_args(listed, seed=4 + listed)))
     torch.library.opcheck(torch.ops.bst_fast.triton_pair_loss.default,
-                          _on_device(op_args(True, seed=6, requires_grad=False, n_hidden=3)))
+                          _on_device(whole_head_args(True, seed=6, requires_grad=False, n_hidden=3)))
 
 
-def test_triton_op_matches_cpp_op():
-    """Same schema, same numbers: the two engines agree on loss and every gradient (float32)."""
+@pytest.mark.parametrize("listed", [False, True], ids=["all_pairs", "pair_list"])
+def test_triton_op_matches_cpp_op(listed):
+    """The same numbers from both engines (float32): the triton op on the whole head, the C++ op on
+    its first layer split by hand, whose dA, dB map to the gradients of f, b, W1 and c1."""
     pytest.importorskip("triton")
     import bst_fast.backends.triton_backend  # noqa: F401
-    args = op_args(True, seed=7)
-    cpp = torch.ops.bst_fast.pair_loss(*args)
+    args = whole_head_args(listed, seed=7)
+    f, b, (W1, *weights), (c1, *biases) = args[:4]
+    A, Bm = (f @ W1[:, :3].T + c1).detach(), (b @ W1[:, 3:].T).detach()
+    loss, dA, dB, dW, dc = torch.ops.bst_fast.pair_loss(A, Bm, weights, biases, *args[4:])
+    two = lambda d, x: d.reshape(-1, d.shape[-1]).T @ x.reshape(-1, 3)
+    want = [loss, dA @ W1[:, :3], dB @ W1[:, 3:], torch.cat([two(dA, f), two(dB, b)], 1), *dW, dA.sum((0, 1)), *dc]
     tri = torch.ops.bst_fast.triton_pair_loss(*_on_device(args))
-    flat = lambda out: [out[0], out[1], out[2], *out[3], *out[4]]
-    for x, y in zip(flat(tri), flat(cpp)):
-        assert x.dtype == torch.float32 and rel_err(x.cpu(), y) < 1e-5
+    got = [tri[0], tri[1], tri[2], *tri[3], *tri[4]]
+    for x, y in zip(got, want):
+        assert x.dtype == torch.float32 and rel_err(x.detach().cpu(), y.detach()) < 1e-5
 
 
 def test_triton_op_checks_values():
     """Called directly (as a compiled graph calls it), the op still rejects an invalid pair."""
     pytest.importorskip("triton")
     import bst_fast.backends.triton_backend  # noqa: F401
-    args = list(op_args(True, seed=8))
+    args = list(whole_head_args(True, seed=8))
     args[11] = torch.tensor([2, 8, 5, 4, 9])  # j = 9 is past the row
     with pytest.raises(ValueError, match="not a valid pair"):
         torch.ops.bst_fast.triton_pair_loss(*_on_device(tuple(args)))

@@ -315,18 +315,26 @@ def test_vocab_pad(pad, fold, chunk_pairs, monkeypatch):
 def test_op_rejects_mismatched_arguments():
     import bst_fast.backends.pair_loss_op  # noqa: F401
     g = torch.Generator().manual_seed(21)
-    A, Bm = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
-    W, c = [torch.randn(10, 4, generator=g)], [torch.randn(10, generator=g)]
+    # the triton op takes the whole head: f, b (B, L, m) and the first layer's own (h1, 2m) weight first
+    f, b = torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g)
+    W = [torch.randn(4, 6, generator=g), torch.randn(10, 4, generator=g)]
+    c = [torch.randn(4, generator=g), torch.randn(10, generator=g)]
     tokens = torch.randint(0, 5, (2, 6), generator=g)
     common = (tokens, torch.tensor([6, 6]), torch.zeros(2, dtype=torch.long), 2, 6)
     op = torch.ops.bst_fast.triton_pair_loss
     row, i, j = torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([3, 4])
     with pytest.raises(ValueError, match="weight must have shape"):
-        op(A, Bm, W, c, *common, row, i, j, torch.ones(3, dtype=torch.float64), 0.5, "gelu", True)
-    with pytest.raises(ValueError, match=r"weights\[0\] must be"):
-        op(A, Bm, [torch.randn(10, 5)], c, *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+        op(f, b, W, c, *common, row, i, j, torch.ones(3, dtype=torch.float64), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match=r"weights\[0\] must be \(4, 6\)"):
+        op(f, b, [torch.randn(4, 5), W[1]], c, *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match=r"weights\[1\] must be"):
+        op(f, b, [W[0], torch.randn(10, 5)], c, *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
     with pytest.raises(ValueError, match="one entry per layer"):
-        op(A, Bm, W, [], *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+        op(f, b, W, c[:1], *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match="the first layer's and at least one more"):
+        op(f, b, W[1:], c[1:], *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
+    with pytest.raises(ValueError, match="after the first must share one dtype"):
+        op(f, b, [W[0], W[1].double()], c, *common, None, None, None, torch.tensor(0.1), 0.5, "gelu", True)
 
 
 def test_pair_list_schedule():
@@ -732,14 +740,14 @@ def test_segment_sums_past_two_to_the_31_slots():
     A = Bm = torch.zeros(8, h)
     pre_off = torch.tensor([s0, s0 + n] + [s0 + n] * 7)  # prefix 0 holds slots s0 .. s0 + 3: suffixes 3 .. 6
     dA = torch.zeros(8, h)
-    prefix_grad_kernel[(1, 1)](dH, A, Bm, torch.tensor([3, 4, 5, 6]), pre_off, 0, dA, s0, n, h, h, 1.0,
+    prefix_grad_kernel[(1, 1)](dH, A, Bm, torch.tensor([3, 4, 5, 6]), pre_off, 0, dA, s0, n, h, h, 0, 1.0,
                                ACT=NO_ACT.value, BS=4, BK=4)
     assert torch.equal(dA[0], dH.sum(0))
     jlo, alo = torch.tensor([3] + [0] * 7), torch.zeros(8, dtype=torch.int64)
     suf_off = torch.tensor([0, 0, 0, 0, 1, 2, 3, 4, 4])  # suffixes 3 .. 6 meet prefix 0 only
     for side, own, want in ((0, (0, 1), dA[:1]), (1, (3, 7), dH)):
         out = torch.zeros(8, h)
-        structured_grad_kernel[(2, 1, 1)](dH, A, Bm, pre_off, jlo, alo, suf_off, out, out, s0, n, h, h, *own, 0, 1,
+        structured_grad_kernel[(2, 1, 1)](dH, A, Bm, pre_off, jlo, alo, suf_off, out, out, s0, n, h, h, 0, *own, 0, 1,
                                           4, 1.0, SIDE=side, ACT=NO_ACT.value, BO=4, BK=4, PIECES=1)
         assert torch.equal(out[own[0] : own[1]], want), side
 
@@ -872,7 +880,7 @@ try:
 except TypeError:  # older Triton: no arch argument
     ptxas = get_ptxas().path
 INTS = {"s0", "n", "h", "ld", "ldh", "ldz", "hoff", "V", "pre_lo", "pre_hi", "seg_lo", "w_stride", "steps", "meet",
-        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows", "K", "ldw", "nloss", "ldd"}  # the rest are pointers or floats
+        "own_lo", "own_hi", "walk_lo", "walk_hi", "part_rows", "K", "ldw", "nloss", "ldd", "pos0"}  # the rest are pointers or floats
 INDEX = {"ia": "*i32", "ib": "*i32", "perm": "*i32", "jlo": "*i32", "alo": "*i32", "tok": "*i64", "seg_off": "*i64",
          "pre_off": "*i64", "suf_off": "*i64"}
 NO, SW = NO_ACT.value, SWIGLU.value
@@ -997,3 +1005,49 @@ def test_gather_config_names_its_kinds():
             # block widths are powers of two no wider than the rows need
             assert all(cfg[k] & (cfg[k] - 1) == 0 and cfg[k] <= 64 for k in ("BK", "seg_BK")), cfg
             assert cfg["BS"] >= 1 and cfg["seg_warps"] in (1, 2, 4, 8)
+
+
+_WINDOW_CASES = {
+    # rows 1 and 3 hold no pair (too short for a gap of 2), so windows skip rows and flush empty ones
+    "all": dict(lengths=torch.tensor([11, 2, 9, 1, 11, 7])),
+    "prefix_max_gap": dict(lengths=torch.tensor([11, 5, 9, 11, 3, 10]), prefix_start=torch.tensor([0, 1, 3, 0, 0, 2]),
+                           max_gap=6),
+    "explicit": dict(pairs=(torch.tensor([5, 0, 5, 2, 0, 4, 2]), torch.tensor([0, 3, 8, 1, 0, 2, 1]),
+                            torch.tensor([9, 9, 10, 5, 2, 4, 5]))),  # unsorted, repeated, rows 1 and 3 absent
+    "subsample": dict(pairs=0.3, seed=5),
+    "documents": dict(documents=torch.tensor([[0] * 5 + [1] * 6, [0] * 11, [2] * 4 + [3] * 7,
+                                              [0] * 11, [1] * 3 + [2] * 8, [0] * 6 + [5] * 5])),
+}
+
+
+@pytest.mark.parametrize("case", list(_WINDOW_CASES))
+@pytest.mark.parametrize("rows,chunk", [(0, 1), (1, 7), (2, 23), (0, None)])
+def test_first_layer_windows(case, rows, chunk, chunk_pairs, monkeypatch):
+    """The triton op splits the first layer a window of rows at a time (_FirstLayer): windows that
+    move with every chunk (rows 0: one chunk's rows only), carry rows that straddle two chunks, and
+    skip rows without pairs keep the contract's tolerances, and equal the whole batch's window to
+    float32 rounding (dW1 is summed window by window)."""
+    f, b, tokens, head = _inputs(6, 11, 5, 13, hidden=[16, 12], n_layers=3, seed=31 + rows)
+    opts = _WINDOW_CASES[case]
+    chunk_pairs(chunk)
+    whole_loss, whole = _run(f, b, tokens, head, torch.float32, 1.0, backend="triton", **dict(opts))
+    switch(monkeypatch, window_rows=rows)
+    _check(f, b, tokens, head, **dict(opts))
+    loss, grads = _run(f, b, tokens, head, torch.float32, 1.0, backend="triton", **dict(opts))
+    assert _rel(loss, whole_loss) < 1e-6
+    for x, y in zip(grads, whole):
+        assert _rel(x, y) < 1e-6
+    if case == "all":  # a row without pairs: no gradient
+        assert grads[0][1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("levers", [dict(structured_sums=True), dict(fused_ce=True, bias_in_gemm=True),
+                                    dict(hidden_sums=True, relu_in_gemm=True)])
+def test_first_layer_windows_with_levers(levers, chunk_pairs, monkeypatch):
+    """The window's position offset reaches every kernel that reads the tables (the structured
+    sums too), with the levers on, in bf16 and float32."""
+    f, b, tokens, head = _inputs(5, 10, 4, 11, hidden=[12, 8], n_layers=3, activation="relu", seed=41)
+    chunk_pairs(9)
+    switch(monkeypatch, window_rows=1, **levers)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check(f, b, tokens, head, dtype=dtype, lengths=torch.tensor([10, 6, 2, 9, 10]), prefix_start=1)

@@ -11,9 +11,12 @@ meet_token: both labels of the pairs with j - i = 1 (§8), needed by min_gap = 1
 tensors (lengths, prefix_start, weight and a listed row, i, j) are on A's device, or a listed set's
 all on the CPU (the triton op builds its pair list on the host then: check_devices). The op returns
 the loss and, with need_grad, every gradient in float32 (empty tensors without); autograd only
-scales them by grad_output, since the loss is the graph's last node. `text_head_arguments` builds
-these arguments from a TextHead, the one place the fused backends read a head's layers;
-`fused_problem` says whether a fused backend takes a head and dtype at all.
+scales them by grad_output, since the loss is the graph's last node. The triton op takes the whole
+head instead (split=False below): f, b (B, L, m) in A's and Bm's places and the first layer's own
+weight (h1, 2m) and bias first in the lists, split inside it a window of rows at a time, so that no
+(B, L, h1) float32 table of the whole batch is held; it returns df, db in f's and b's dtypes.
+`text_head_arguments` builds these arguments from a TextHead, the one place the fused backends read
+a head's layers; `fused_problem` says whether a fused backend takes a head and dtype at all.
 """
 from __future__ import annotations
 
@@ -37,15 +40,21 @@ def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.dtype):
+def text_head_arguments(f, b, tokens, head, p, next_weight: float, dtype: torch.dtype, split: bool = True):
     """The op's arguments (meet_token apart, a keyword) for a TextHead: its first layer split in torch
-    (autograd maps dA, dB to f, b, W1, c1), the later layers in `dtype`, the matrix operands' type
-    (autograd casts their gradients back), and need_grad when any of them needs a gradient."""
+    (autograd maps dA, dB to f, b, W1, c1), or with split=False f, b and the layer itself (the triton
+    op's form); the later layers in `dtype`, the matrix operands' type (autograd casts their
+    gradients back), and need_grad when any of them needs a gradient."""
     if p.bounds is not None:  # packed rows (docs/contract.md §10): the schema takes their pairs listed
         p = _pairs.listed(p, f.shape[1])
-    A, Bm = head.first_layer_states(f, b, _pairs.to_device(p.lengths, f.device), dtype)  # (B, L, h1) float32 each
-    weights = [layer.weight.to(dtype) for layer in head.layers[1:]]
-    biases = [layer.bias.to(dtype) for layer in head.layers[1:]]
+    later = head.layers[1:]
+    weights = [layer.weight.to(dtype) for layer in later]
+    biases = [layer.bias.to(dtype) for layer in later]
+    if split:
+        A, Bm = head.first_layer_states(f, b, _pairs.to_device(p.lengths, f.device), dtype)  # (B, L, h1) float32 each
+    else:
+        A, Bm = f, b
+        weights, biases = [head.layers[0].weight] + weights, [head.layers[0].bias] + biases
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A, Bm, *weights, *biases))
     weight = p.scale if p.row is None else p.weight
     return (A, Bm, weights, biases, tokens, p.lengths, p.prefix_start, p.min_gap, p.max_gap, p.row, p.i, p.j,
@@ -66,15 +75,17 @@ def check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i,
 
 
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
-         row, i, j, weight, next_weight, activation, need_grad, meet_token=None):
+         row, i, j, weight, next_weight, activation, need_grad, meet_token=None, split: bool = True):
     # Also the Meta kernel: one meta argument among real ones lands here, and the outputs, made on
-    # A's device, would be uninitialised memory returned as a loss.
+    # A's device, would be uninitialised memory returned as a loss. split=False: the triton op's
+    # form, whose first two gradients are f's and b's, in their dtypes.
     check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
     f32 = dict(dtype=torch.float32)
     if not need_grad:  # the op returns empty gradients then
         return (A.new_empty((), **f32), A.new_empty(0, **f32), A.new_empty(0, **f32),
                 [A.new_empty(0, **f32) for _ in weights], [A.new_empty(0, **f32) for _ in biases])
-    return (A.new_empty((), **f32), A.new_empty(A.shape, **f32), A.new_empty(Bm.shape, **f32),
+    side = lambda t: t.new_empty(t.shape, **({} if not split else f32))
+    return (A.new_empty((), **f32), side(A), side(Bm),
             [w.new_empty(w.shape, **f32) for w in weights], [c.new_empty(c.shape, **f32) for c in biases])
 
 
@@ -106,7 +117,8 @@ def _backward(backend, ctx, grad_loss, *_):
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
-def register(qualname: str, backend: str):
-    """Attach the fake (shapes) and autograd rules to one of the pair-loss ops (`backend`'s)."""
-    torch.library.register_fake(qualname)(fake)
+def register(qualname: str, backend: str, split: bool = True):
+    """Attach the fake (shapes) and autograd rules to one of the pair-loss ops (`backend`'s);
+    split=False for the triton op's form (the whole head, df and db in f's and b's dtypes)."""
+    torch.library.register_fake(qualname)(fake if split else functools.partial(fake, split=False))
     torch.library.register_autograd(qualname, functools.partial(_backward, backend), setup_context=_setup_context)

@@ -60,6 +60,9 @@ class Switches:
     torch_cpu_chunk_bytes: int = 16 * 2**20
     # A fixed number of pairs per chunk instead of the byte budgets, in both chunked backends (tests).
     chunk_pairs: Optional[int] = None
+    # A fixed number of rows in the triton backend's first-layer window beyond one chunk's rows
+    # (triton_backend._FirstLayer) instead of window_rows' rule (tests: windows that move often).
+    window_rows: Optional[int] = None
     # The torch backend's chunk engine (backends/torch_chunks.py): None takes the Triton kernels for
     # CUDA tensors, True forces them (the CPU through TRITON_INTERPRET=1, tests), False the torch ops.
     # float64 always takes the torch ops.

@@ -60,7 +60,7 @@ import torch
 from .. import _pairs
 from .._pairs import PairList, Pairs, pair_list
 from . import pair_loss_op, runtime
-from ..head import activation, activation_grad, mm_f32
+from ..head import activation, activation_grad, mm_f32, split_operands, split_part, split_part_grads
 from ..kernels.activation import ACT, interpreted_bf16
 from ..kernels.cross_entropy import ce_sum_programs, pair_cross_entropy_
 from ..kernels.hidden_grad import act_grad_sums_, hidden_grad_programs
@@ -101,22 +101,91 @@ def _unpadded(t, V: int, Vp: int):
     return torch.cat([t[:V], t[Vp : Vp + V]])
 
 
-def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool, dtype, cfg,
-                    V: int):
-    """Loss and (need) float32 gradients of A, B and every later layer, chunk by chunk.
+class _FirstLayer:
+    """The split first layer (docs/contract.md §3) over a window of rows: A = f W_f^T + c1 and
+    B = b W_b^T in float32 for the rows [r0, r1) that the chunks in flight read, and (need) their
+    gradient sums dA, dB. A chunk's pairs lie in rows [ra, rb] (the list is sorted by row, and a
+    pair's two positions share its row), so when a chunk reaches past the window the rows before
+    ra are complete: their sums are mapped at once to df, db, dW1, dc1 (head.split_part_grads, the
+    products of the split layer's own backward) and dropped, the rows in flight carried over. The
+    tables then hold at most about `rows` rows (or one chunk's, if more) instead of the batch's:
+    at B = 256, T = 64, h1 = 768 the whole batch's four were 200 MB, 40% of the loss's peak.
 
-    A, Bm: (B, L, h1) float32; tokens (B, L) int64; weights/biases: the layers after the first, in
-    the compute dtype `dtype` (the last one (2V, hL), or (2Vp, hL) padded by _padded_vocabulary);
-    cfg: chunk_config's launch shapes, which also cut `pl`. Returns (loss, dA, dB, dW list, dc list)."""
-    dev = A.device
-    h1 = A.shape[-1]
+    f, b: (B, L, m) as given; W1 (h1, 2m), c1 (h1,) the layer's own (any float dtype); lengths:
+    (B,) on the device (positions at or past them are zeroed, as head.split_linear zeroes them);
+    operands: head.split_operands' (forward, backward) dtypes of the matrix operands."""
+
+    def __init__(self, f, b, W1, c1, lengths, operands, need: bool, rows: int):
+        m = f.shape[-1]
+        self.f, self.b, self.lengths, self.need, self.rows = f, b, lengths, need, max(1, rows)
+        self.wf, self.wb, self.c1 = W1[:, :m], W1[:, m:], c1
+        self.forward, self.backward = operands
+        self.r0 = self.r1 = 0
+        self.A = self.B = self.dA = self.dB = None
+        self.scale = 1.0  # the pair list's wscale: the sums are in its units
+        if need:
+            self.df, self.db = torch.zeros_like(f), torch.zeros_like(b)
+            self.dW, self.dc = torch.zeros(W1.shape, dtype=torch.float32, device=f.device), torch.zeros(
+                c1.shape, dtype=torch.float32, device=f.device)
+
+    def cover(self, ra: int, rb: int):
+        """Make the window hold rows ra..rb (ra never decreases): map the rows before ra, keep the
+        window's rows from ra on, add the rows after it."""
+        if rb < self.r1:
+            return
+        new1 = min(self.f.shape[0], max(rb + 1, ra + self.rows))
+        self.flush(min(ra, self.r1))
+        first = max(ra, self.r1)  # the rows the window does not hold yet
+        with torch.autocast(self.f.device.type, enabled=False):
+            fresh = [split_part(x[first:new1], self.lengths[first:new1], w, c, self.forward)
+                     for x, w, c in ((self.f, self.wf, self.c1), (self.b, self.wb, None))]
+        if first == ra:  # nothing in flight to carry
+            self.A, self.B = fresh
+            self.dA, self.dB = (torch.zeros_like(t) for t in fresh) if self.need else (None, None)
+        else:
+            kept = lambda old, new: torch.cat([old[ra - self.r0 :], new])
+            self.A, self.B = kept(self.A, fresh[0]), kept(self.B, fresh[1])
+            if self.need:
+                self.dA, self.dB = (kept(d, torch.zeros_like(t)) for d, t in ((self.dA, fresh[0]), (self.dB, fresh[1])))
+        self.r0, self.r1 = ra, new1
+
+    def flush(self, upto: int):
+        """Map the sums of rows r0 .. upto - 1 (complete) to the gradients of f, b, W1 and c1."""
+        if not self.need or upto <= self.r0:
+            return
+        rows, done = slice(self.r0, upto), slice(0, upto - self.r0)
+        dA, dB = self.dA[done].mul_(self.scale), self.dB[done].mul_(self.scale)
+        with torch.autocast(self.f.device.type, enabled=False):
+            for x, d, w, dx, cols in ((self.f, dA, self.wf, self.df, slice(0, self.wf.shape[1])),
+                                      (self.b, dB, self.wb, self.db, slice(self.wf.shape[1], None))):
+                g, gw = split_part_grads(x[rows], d, w, self.lengths[rows], True, True, self.backward)
+                dx[rows] = g
+                self.dW[:, cols] += gw
+            self.dc += dA.sum((0, 1))
+
+    def gradients(self):
+        """df, db, dW1, dc1, once every chunk is done."""
+        self.flush(self.r1)
+        return self.df, self.db, self.dW, self.dc
+
+
+def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool,
+                    dtype, cfg, V: int, window_rows: int):
+    """Loss and (need) the gradients of f, b (in their dtypes) and of every layer (float32), chunk by chunk.
+
+    f, b: (B, L, m); lengths (B,) on f's device; tokens (B, L) int64; weights/biases: the first
+    layer's own (split here, _FirstLayer, window_rows rows at a time), then the later layers in the
+    compute dtype `dtype` (the last one (2V, hL), or (2Vp, hL) padded by _padded_vocabulary); cfg:
+    chunk_config's launch shapes, which also cut `pl`. Returns (loss, df, db, dW list, dc list)."""
+    dev = f.device
+    L = f.shape[1]
+    first = _FirstLayer(f, b, weights[0], biases[0], lengths, split_operands(dtype, f.dtype), need, window_rows)
+    weights, biases = weights[1:], biases[1:]
+    h1 = weights[0].shape[1]
     up = interpreted_bf16(dtype)
     act_id = ACT[act_name]
     tok = tokens.contiguous().reshape(-1)  # the kernels read labels at flat offsets ia + 1, ib - 1
-    A, Bm = A.contiguous(), Bm.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
-    dA = torch.zeros(A.shape, **f32) if need else None
-    dB = torch.zeros(Bm.shape, **f32) if need else None
     dW = [torch.zeros(w.shape, **f32) for w in weights] if need else []
     dc = [torch.zeros(c.shape, **f32) for c in biases] if need else []
     loss = torch.zeros((), **f32)
@@ -145,10 +214,13 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
     hidden_cfg = [hidden_grad_config(dev.type, w.shape[0]) for w in weights[:-1]]
     hidden_parts = ([torch.empty(hidden_grad_programs(nmax, g), w.shape[0], **f32)
                      for g, w in zip(hidden_cfg, weights[:-1])] if need and runtime.SWITCHES.hidden_sums else None)
+    first.scale = pl.wscale
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
+        first.cover(chunk.pre_lo // L, (chunk.pre_hi - 1) // L)  # the rows of the chunk's pairs
+        pos0 = first.r0 * L  # the window's first flat position
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
-        pair_hidden(A, Bm, pl, s0, n, H, act_id, cfg, up)
+        pair_hidden(first.A, first.B, pl, s0, n, H, act_id, cfg, up, pos0)
         Hs, Zs = [H], []
         for k, (w, c) in enumerate(zip(weights[:-1], biases[:-1])):
             if relu_gemm:
@@ -169,8 +241,13 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
             chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V, dc_part)
         loss += chunk_loss
         if not need:
+            del H, Z, Zs, Hs
             continue
+        # Each tensor goes once the backward is past it (the logits' gradient Z once dH_L is made,
+        # a layer's input once its dW is summed): the chunk's peak is the forward's tensors and
+        # dH_L, es * (2V + sum h + sum h[1:] + hL) bytes a pair, which chunk_config's budget counts.
         dH = Z
+        del H, Z
         for k in range(len(weights) - 1, -1, -1):
             made = last_dc if k == len(weights) - 1 else None  # the cross-entropy's partial sums of dc_L
             if k < len(weights) - 1:  # dZ of hidden layer k + 2 (and its bias gradient's partial sums)
@@ -186,40 +263,49 @@ def _loss_by_chunks(A, Bm, tokens, pl: PairList, weights, biases, act_name: str,
             else:
                 dc[k] += dH.sum(0, dtype=torch.float32) if made is None else made.sum(0)
                 dW[k] += mm_f32(dH.t(), Hs[k])
+            Hs[k] = None  # the layer's input, and below its pre-activation, are spent
+            if k < len(Zs):
+                Zs[k] = None
             dH = dH @ weights[k]
-        del Z, Zs, Hs
-        segment_grads(dH, A, Bm, pl, chunk, dA, dB, act_id, 1.0, cfg)
-    # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply back
+        del Zs, Hs
+        segment_grads(dH, first.A, first.B, pl, chunk, first.dA, first.dB, act_id, 1.0, cfg, pos0=pos0)
+        del dH
+    # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply
+    # back (the first layer's sums as their rows are mapped)
     s = pl.wscale
-    if need:
-        dA.mul_(s)
-        dB.mul_(s)
-        for g in dW + dc:
-            g.mul_(s)
-    return loss * s, dA, dB, dW, dc
+    if not need:
+        return loss * s, None, None, [], []
+    df, db, dW1, dc1 = first.gradients()
+    for g in dW + dc:
+        g.mul_(s)
+    return loss * s, df, db, [dW1] + dW, [dc1] + dc
 
 
 @torch.library.custom_op("bst_fast::triton_pair_loss", mutates_args=())
-def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor],
+def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor],
                      tokens: torch.Tensor, lengths: torch.Tensor, prefix_start: torch.Tensor, min_gap: int,
                      max_gap: int, row: Optional[torch.Tensor], i: Optional[torch.Tensor],
                      j: Optional[torch.Tensor], weight: torch.Tensor, next_weight: float, activation: str,
                      need_grad: bool, meet_token: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                                 List[torch.Tensor], List[torch.Tensor]]:
-    """The GPU pair-loss op, with the schema of bst_fast::pair_loss (see pair_loss_op). The layers'
-    dtype (weights and biases share one) is the matrix operands' compute dtype."""
+    """The GPU pair-loss op: bst_fast::pair_loss's schema and rules (pair_loss_op), but for the whole
+    head: f, b (B, L, m) in place of the split first layer's A, B, and weights[0], biases[0] that
+    layer's own (h1, 2m) and (h1,), which the op splits itself a window of rows at a time
+    (_FirstLayer); it returns the gradients of f and b in their dtypes. The later layers share one
+    dtype, the matrix operands' compute dtype."""
     if activation not in ACT:
         raise ValueError(f"activation must be one of {tuple(ACT)}, got {activation!r}")
-    if len(weights) != len(biases) or not weights or weights[-1].dim() != 2 or weights[-1].shape[0] % 2:
-        raise ValueError(f"weights and biases must hold one entry per layer, the last with 2V outputs, got "
-                         f"{len(weights)} weights, {len(biases)} biases")
+    if len(weights) != len(biases) or len(weights) < 2 or weights[-1].dim() != 2 or weights[-1].shape[0] % 2:
+        raise ValueError(f"weights and biases must hold one entry per layer, the first layer's and at least one "
+                         f"more, the last with 2V outputs, got {len(weights)} weights, {len(biases)} biases")
     dtype = weights[-1].dtype
-    if any(t.dtype != dtype for t in (*weights, *biases)):
-        raise ValueError(f"weights and biases must share one dtype, got {[t.dtype for t in (*weights, *biases)]}")
-    if A.dim() != 3:
-        raise ValueError(f"A must be (B, L, h1), got {tuple(A.shape)}")
-    Bn, L, h1 = A.shape
-    widths = [h1] + [w.shape[0] for w in weights]
+    if any(t.dtype != dtype for t in (*weights[1:], *biases[1:])):
+        raise ValueError(f"the layers after the first must share one dtype, got "
+                         f"{[t.dtype for t in (*weights[1:], *biases[1:])]}")
+    if f.dim() != 3 or not f.is_floating_point() or f.dtype == torch.float64:
+        raise ValueError(f"f must be (B, L, m) float32, float16 or bfloat16, got {tuple(f.shape)} {f.dtype}")
+    Bn, L, m = f.shape
+    widths = [2 * m] + [w.shape[0] for w in weights]
     for k, (w, c) in enumerate(zip(weights, biases)):
         if w.dim() != 2 or tuple(w.shape) != (widths[k + 1], widths[k]) or tuple(c.shape) != (widths[k + 1],):
             raise ValueError(f"weights[{k}] must be ({widths[k + 1]}, {widths[k]}) and biases[{k}] "
@@ -229,12 +315,12 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
         raise ValueError(f"weight must have shape {' or '.join(map(str, expected))} (for all pairs a 0-dim scale "
                          f"or one per row, else one per listed pair), got {tuple(weight.shape)}")
     V = weights[-1].shape[0] // 2
-    pair_loss_op.check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
+    pair_loss_op.check_devices(f, b, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
     # The values are checked here, inside the op, so that a compiled graph (which skips the checks
     # of belief_state_loss) still rejects bad input. A listed set on the host is checked there (no
     # device read); the tokens then are checked on the device, their flag read once the chunks are
     # queued (their kernels mask a label outside [0, V), so a bad one reads nothing out of bounds).
-    checked = _pairs.prepare(A, Bm, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
+    checked = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                              max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
                              reduction="sum", generator=None, meet_token=meet_token, host_pairs=True)
     bad_tok = _pairs.token_problems(tokens, lengths, V) if checked.host else None
@@ -247,22 +333,35 @@ def triton_pair_loss(A: torch.Tensor, Bm: torch.Tensor, weights: List[torch.Tens
     weights, biases = [w.contiguous() for w in weights], [c.contiguous() for c in biases]
     if Vp != V:
         weights, biases = _padded_vocabulary(weights, biases, V, Vp)
-    cfg = chunk_config(A.device.type, Vp, [h1] + [w.shape[0] for w in weights[:-1]], dtype, runtime.SWITCHES)
-    pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums, device=A.device)
-    with on_device(A.device):
-        loss, dA, dB, dW, dc = _loss_by_chunks(A, Bm, tokens, pl, weights, biases, activation, next_weight, need_grad,
-                                               dtype, cfg, V)
+    hidden = [w.shape[0] for w in weights[:-1]]  # h1 first
+    cfg = chunk_config(f.device.type, Vp, hidden, dtype, runtime.SWITCHES)
+    pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums, device=f.device)
+    with on_device(f.device):
+        loss, df, db, dW, dc = _loss_by_chunks(f, b, _pairs.to_device(lengths, f.device), tokens, pl, weights, biases,
+                                               activation, next_weight, need_grad, dtype, cfg, V,
+                                               window_rows(Bn, L, hidden[0], need_grad, runtime.SWITCHES))
     if bad_tok is not None:  # the op's one synchronisation, after its kernels
         _pairs.raise_on_bad_tokens(tokens, bad_tok, V)
     if need_grad and Vp != V:
         dW[-1], dc[-1] = _unpadded(dW[-1], V, Vp), _unpadded(dc[-1], V, Vp)
     if not need_grad:
-        empty = lambda: A.new_empty(0)
+        empty = lambda: f.new_empty(0, dtype=torch.float32)
         return loss, empty(), empty(), [empty() for _ in weights], [empty() for _ in biases]
-    return loss, dA, dB, dW, dc
+    return loss, df, db, dW, dc
 
 
-pair_loss_op.register("bst_fast::triton_pair_loss", NAME)
+def window_rows(B: int, L: int, h1: int, need: bool, switches) -> int:
+    """How many rows _FirstLayer's window holds beyond one chunk's: its float32 tables (A, B, and
+    with need dA, dB) in a sixteenth of the chunk budget (16 MB of 256), or a sixteenth of the
+    batch if more, so that a batch takes at most about sixteen windows, each some twenty launches
+    (a list of few pairs a row, whose chunks span many rows, moves it once a chunk instead)."""
+    if switches.window_rows is not None:
+        return switches.window_rows
+    per_row = L * h1 * 4 * (4 if need else 2)
+    return max(1, -(-B // 16), switches.triton_chunk_bytes // 16 // per_row)
+
+
+pair_loss_op.register("bst_fast::triton_pair_loss", NAME, split=False)
 
 
 def supports(head, device: torch.device, dtype: torch.dtype):
@@ -281,5 +380,5 @@ def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     options.compute_dtype: the matrix products' operand type (None: f's dtype; bf16 under autocast
     for an fp32 model). Returns a 0-dim float32 loss."""
     dtype = options.compute_dtype or f.dtype
-    args = pair_loss_op.text_head_arguments(f, b, tokens, head, pairs, options.next_weight, dtype)
+    args = pair_loss_op.text_head_arguments(f, b, tokens, head, pairs, options.next_weight, dtype, split=False)
     return torch.ops.bst_fast.triton_pair_loss(*args, meet_token=pairs.meet_token)[0]

@@ -62,17 +62,18 @@ from .activation import NO_ACT, SILU, SWIGLU, act, act_grad, cast, swiglu_grad
 
 
 @triton.jit
-def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld, ldh,
+def pair_hidden_kernel(A, Bm, ia, ib, H, s0, n, h, ld, ldh, pos0,
                        ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UP: tl.constexpr):
-    # H[r, k] = act(A[ia[s0 + r], k] + B[ib[s0 + r], k]) for r < n, summed in float32, in H's dtype.
+    # H[r, k] = act(A[ia[s0 + r] - pos0, k] + B[ib[s0 + r] - pos0, k]) for r < n, summed in float32,
+    # in H's dtype: A and B hold the positions from pos0 on (the triton backend's window of rows).
     # Rows of A and B are ld elements apart (a column slice of a wider table), those of H ldh (H may
     # be the first h columns of a wider buffer: the triton backend's ones column, see there).
     r = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     rm = r < n
     m2 = rm[:, None] & (k[None, :] < h)
-    a = tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) * ld
-    b = tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) * ld
+    a = (tl.load(ia + s0 + r, mask=rm, other=0).to(tl.int64) - pos0) * ld
+    b = (tl.load(ib + s0 + r, mask=rm, other=0).to(tl.int64) - pos0) * ld
     z = (tl.load(A + a[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32)
          + tl.load(Bm + b[:, None] + k[None, :], mask=m2, other=0.0).to(tl.float32))
     if ACT == SWIGLU:  # z is the gate; the up half sits h columns further on
@@ -90,11 +91,11 @@ SUFFIX_LISTED = tl.constexpr(1)  # q a position in perm; slot perm[q]; the other
 
 
 @triton.jit
-def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
+def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, pos0, k, km,
                  ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
     # The listed segment kernels' shared loop: the sum over q in [lo, hi) of dH[slot - s0] * act'(z1),
     # slot and the other side's row as MODE says (`other` is ib or ia), z1 = z_fixed (the segment's
-    # own A or B row) + M[row] (rows ld apart). Under NO_ACT,
+    # own A or B row) + M[row - pos0] (rows ld apart). Under NO_ACT,
     # the plain sum of dH (z_fixed and M are not read). Under SWIGLU two sums, the gate's and the
     # up half's gradients, with g = z_fixed + M[.., k], u = u_fixed + M[.., h + k]; else the second
     # is zero.
@@ -107,7 +108,7 @@ def _segment_sum(dH, M, other, perm, lo, hi, z_fixed, u_fixed, s0, h, ld, k, km,
         m2 = qm[:, None] & km[None, :]
         d = tl.load(dH + (slot - s0).to(tl.int64)[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
         if ACT != NO_ACT:
-            Mrows = M + tl.load(other + slot, mask=qm, other=0).to(tl.int64)[:, None] * ld
+            Mrows = M + (tl.load(other + slot, mask=qm, other=0).to(tl.int64) - pos0)[:, None] * ld
             z = z_fixed[None, :] + tl.load(Mrows + k[None, :], mask=m2, other=0.0).to(tl.float32)
             if ACT == SWIGLU:
                 u = u_fixed[None, :] + tl.load(Mrows + h + k[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -129,21 +130,22 @@ def _add_row(dA, row, k, km, h, scale, acc, acc_up, ACT: tl.constexpr):
 
 
 @triton.jit
-def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, ld, scale,
+def prefix_grad_kernel(dH, A, Bm, ib, seg_off, seg_lo, dA, s0, n, h, ld, pos0, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns prefix segment a = seg_lo + g: slots seg_off[a] .. seg_off[a + 1].
-    # dA[a] += scale * (the chunk's part of the segment's sum). Rows of A, B, dA are ld apart.
+    # dA[a - pos0] += scale * (the chunk's part of the segment's sum). Rows of A, B, dA are ld
+    # apart; they hold the positions from pos0 on.
     g = seg_lo + tl.program_id(0)
     s0 = tl.cast(s0, tl.int64)  # s0 + n passes 2**31 in a batch of more pairs (an i32 argument)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
-    a = g.to(tl.int64) * ld
+    a = (g.to(tl.int64) - pos0) * ld
     lo = tl.maximum(tl.load(seg_off + g), s0)
     hi = tl.minimum(tl.load(seg_off + g + 1), s0 + n)
     # the segment's own row, float32 (the sums are float32 whatever the tables' dtype)
     za = tl.load(A + a + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
     ua = tl.load(A + a + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
-    acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, za, ua, s0, h, ld, k, km, ACT, BS, BK, PREFIX_LISTED)
+    acc, acc_up = _segment_sum(dH, Bm, ib, ib, lo, hi, za, ua, s0, h, ld, pos0, k, km, ACT, BS, BK, PREFIX_LISTED)
     _add_row(dA, a, k, km, h, scale, acc, acc_up, ACT)
 
 
@@ -161,24 +163,25 @@ def _first_at_least(perm, lo, hi, x, STEPS):
 
 
 @triton.jit
-def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, steps, scale,
+def suffix_grad_kernel(dH, A, Bm, ia, perm, seg_off, seg_lo, dB, s0, n, h, ld, pos0, steps, scale,
                        ACT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     # Program (g, kb) owns suffix segment c = seg_lo + g: slots perm[seg_off[c] .. seg_off[c + 1]],
     # increasing; the chunk's part of them is found by binary search, so no program scans slots of
     # other chunks (a row's suffix segments span every chunk that holds part of the row).
-    # dB[c] += scale * (the chunk's part of the segment's sum).
+    # dB[c - pos0] += scale * (the chunk's part of the segment's sum).
     c = (seg_lo + tl.program_id(0)).to(tl.int64)
+    own = (c - pos0) * ld
     s0 = tl.cast(s0, tl.int64)  # s0 + n passes 2**31 in a batch of more pairs (an i32 argument)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < h
     first = tl.load(seg_off + c)
     last = tl.load(seg_off + c + 1)
-    zb = tl.load(Bm + c * ld + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
-    ub = tl.load(Bm + c * ld + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
+    zb = tl.load(Bm + own + k, mask=km & (ACT != NO_ACT), other=0.0).to(tl.float32)
+    ub = tl.load(Bm + own + h + k, mask=km & (ACT == SWIGLU), other=0.0).to(tl.float32)
     lo = _first_at_least(perm, first, last, s0, steps)
     hi = _first_at_least(perm, lo, last, s0 + n, steps)
-    acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, zb, ub, s0, h, ld, k, km, ACT, BS, BK, SUFFIX_LISTED)
-    _add_row(dB, c * ld, k, km, h, scale, acc, acc_up, ACT)
+    acc, acc_up = _segment_sum(dH, A, ia, perm, lo, hi, zb, ub, s0, h, ld, pos0, k, km, ACT, BS, BK, SUFFIX_LISTED)
+    _add_row(dB, own, k, km, h, scale, acc, acc_up, ACT)
 
 
 # structured_grad_kernel's SIDE: whose sums a program owns
@@ -188,7 +191,7 @@ _NONE = tl.constexpr(2**62)  # past every position: the minimum of no run
 
 
 @triton.jit
-def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0, n, h, ld, own_lo, own_hi,
+def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0, n, h, ld, pos0, own_lo, own_hi,
                            walk_lo, walk_hi, part_rows, scale, SIDE: tl.constexpr, ACT: tl.constexpr,
                            BO: tl.constexpr, BK: tl.constexpr, PIECES: tl.constexpr):
     # A structured list (all pairs, PairList.jlo/alo): the pair (a, c) sits at slot
@@ -202,6 +205,7 @@ def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0
     # PIECES > 1 splits each block's walk into that many parts (parallelism when a chunk holds few
     # positions): piece p stores its sums in part[p, o - base] (part_rows rows a piece), summed
     # afterwards in a fixed order; PIECES = 1 adds scale * sums into dOwn. No atomics either way.
+    # A, B, dOwn hold the positions from pos0 on (row p - pos0 for position p).
     base = own_lo // BO * BO
     o = base + tl.program_id(0).to(tl.int64) * BO + tl.arange(0, BO)
     om = (o >= own_lo) & (o < own_hi)
@@ -231,7 +235,7 @@ def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0
     step = (hi - lo + PIECES - 1) // PIECES
     w_lo = lo + tl.program_id(2) * step
     w_hi = tl.minimum(hi, w_lo + step)
-    rows2 = o[:, None] * ld + k[None, :]
+    rows2 = (o - pos0)[:, None] * ld + k[None, :]
     om2 = om[:, None] & km[None, :]
     zo = tl.load(own + rows2, mask=om2 & (ACT != NO_ACT), other=0.0).to(tl.float32)
     uo = tl.load(own + rows2 + h, mask=om2 & (ACT == SWIGLU), other=0.0).to(tl.float32)
@@ -252,9 +256,9 @@ def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0
         m2 = valid[:, None] & km[None, :]
         d = tl.load(dH + row[:, None] * h + k[None, :], mask=m2, other=0.0).to(tl.float32)
         if ACT != NO_ACT:
-            z = zo + tl.load(walk + w * ld + k, mask=km, other=0.0).to(tl.float32)[None, :]
+            z = zo + tl.load(walk + (w - pos0) * ld + k, mask=km, other=0.0).to(tl.float32)[None, :]
             if ACT == SWIGLU:
-                u = uo + tl.load(walk + w * ld + h + k, mask=km, other=0.0).to(tl.float32)[None, :]
+                u = uo + tl.load(walk + (w - pos0) * ld + h + k, mask=km, other=0.0).to(tl.float32)[None, :]
                 d, d_up = swiglu_grad(d, z, u)
                 acc_up += tl.where(m2, d_up, 0.0)
             else:
@@ -272,8 +276,9 @@ def structured_grad_kernel(dH, A, Bm, pre_off, jlo, alo, suf_off, dOwn, part, s0
             tl.store(part + prow + h, acc_up, mask=km[None, :])
 
 
-def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
-    """H (n, h) <- act(A[ia] + B[ib]) for the chunk's slots [s0, s0 + n) of the PairList `pl`;
+def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up, pos0: int = 0):
+    """H (n, h) <- act(A[ia] + B[ib]) for the chunk's slots [s0, s0 + n) of the PairList `pl`,
+    where A and B hold the flat positions from pos0 on (their row p - pos0 is position p);
     A and B share a row stride (A.stride(-2), rows contiguous), H's rows are contiguous (H may be a
     column slice of a wider buffer); act an index of ACT, NO_ACT.value or
     SWIGLU.value (A, B then [gate | up], 2h wide); cfg holds gather_config's shapes; up:
@@ -284,17 +289,18 @@ def pair_hidden(A, Bm, pl, s0, n, H, act, cfg, up):
         raise ValueError(f"pair_hidden: A {tuple(A.shape)} / B {tuple(Bm.shape)} with strides {A.stride()} / "
                          f"{Bm.stride()} do not fit H {tuple(H.shape)} ({n} rows) and act {act}")
     pair_hidden_kernel[(triton.cdiv(n, cfg["BM"]), triton.cdiv(h, cfg["BK"]))](
-        A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), H.stride(0), ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
+        A, Bm, pl.ia, pl.ib, H, s0, n, h, A.stride(-2), H.stride(0), pos0, ACT=act, BM=cfg["BM"], BK=cfg["BK"], UP=up,
         num_warps=cfg["hidden_warps"])
 
 
-def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg, sides=("prefix", "suffix")):
+def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg, sides=("prefix", "suffix"), pos0: int = 0):
     """dA, dB += scale * the prefix / suffix segment sums, over `chunk` (a _pairs.Chunk), of
     dH * act'(A_ia + B_ib) (of dH alone under NO_ACT, which reads neither A nor B; under SWIGLU the
     gate's and up's gradients, dA and dB 2h wide). dH (n, h) contiguous; the rows of dA, dB (and of
     A, B where read) share a stride, each row contiguous: dA may be a column slice of a wider table.
     A structured list (pl.jlo set) takes structured_grad_kernel, a listed one the segment kernels.
-    `sides`: the kernels to launch (benchmarks time one alone)."""
+    `sides`: the kernels to launch (benchmarks time one alone). A, B, dA and dB hold the flat
+    positions from pos0 on, as in pair_hidden."""
     s0, n, pre_lo, pre_hi, suf_lo, suf_hi = chunk.s0, chunk.n, chunk.pre_lo, chunk.pre_hi, chunk.suf_lo, chunk.suf_hi
     h, ld = dH.shape[1], dA.stride(-2)
     wide = 2 * h if act == SWIGLU.value else h
@@ -306,16 +312,17 @@ def segment_grads(dH, A, Bm, pl, chunk, dA, dB, act, scale, cfg, sides=("prefix"
     if pl.jlo is not None:
         for side in sides:
             own = (pre_lo, pre_hi) if side == "prefix" else (suf_lo, suf_hi)
-            _structured_sums(dH, A, Bm, pl, chunk, dA if side == "prefix" else dB, own, act, scale, cfg, side)
+            _structured_sums(dH, A, Bm, pl, chunk, dA if side == "prefix" else dB, own, act, scale, cfg, side, pos0)
         return
     BS, BK, warps = cfg["BS"], cfg["seg_BK"], cfg["seg_warps"]
     grid_k = triton.cdiv(h, BK)
     if pre_hi > pre_lo and "prefix" in sides:
         prefix_grad_kernel[(pre_hi - pre_lo, grid_k)](
-            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, scale, ACT=act, BS=BS, BK=BK, num_warps=warps)
+            dH, A, Bm, pl.ib, pl.pre_off, pre_lo, dA, s0, n, h, ld, pos0, scale, ACT=act, BS=BS, BK=BK,
+            num_warps=warps)
     if suf_hi > suf_lo and "suffix" in sides:
         suffix_grad_kernel[(suf_hi - suf_lo, grid_k)](
-            dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pl.search_steps, scale,
+            dH, A, Bm, pl.ia, pl.perm, pl.suf_off, suf_lo, dB, s0, n, h, ld, pos0, pl.search_steps, scale,
             ACT=act, BS=BS, BK=BK, num_warps=warps)
 
 
@@ -327,7 +334,7 @@ def walk_pieces(blocks: int, longest: int, cfg) -> int:
     return max(1, min(8, want, longest // cfg["block_min_steps"]))
 
 
-def _structured_sums(dH, A, Bm, pl, chunk, dOwn, own, act, scale, cfg, side):
+def _structured_sums(dH, A, Bm, pl, chunk, dOwn, own, act, scale, cfg, side, pos0):
     # one side's sums over a structured list's chunk: positions [own[0], own[1]) own them
     lo, hi = own
     if hi <= lo:
@@ -342,9 +349,9 @@ def _structured_sums(dH, A, Bm, pl, chunk, dOwn, own, act, scale, cfg, side):
     pieces = walk_pieces(blocks * grid_k, 1 << pl.search_steps, cfg)
     part = torch.empty((pieces, blocks * BO, wide) if pieces > 1 else (1,), dtype=torch.float32, device=dH.device)
     structured_grad_kernel[(blocks, grid_k, pieces)](
-        dH, A, Bm, pl.pre_off, pl.jlo, pl.alo, pl.suf_off, dOwn, part, chunk.s0, chunk.n, h, ld, lo, hi,
+        dH, A, Bm, pl.pre_off, pl.jlo, pl.alo, pl.suf_off, dOwn, part, chunk.s0, chunk.n, h, ld, pos0, lo, hi,
         chunk.pre_lo, chunk.pre_hi, blocks * BO, scale, SIDE=0 if side == "prefix" else 1, ACT=act, BO=BO, BK=BK,
         PIECES=pieces, num_warps=cfg["block_warps"])
     if pieces > 1:  # the pieces' sums in a fixed order (a reduction without atomics)
-        rows = dOwn.view(-1, dOwn.shape[-1])[lo:hi]  # a view (or an error), never a copy
+        rows = dOwn.view(-1, dOwn.shape[-1])[lo - pos0 : hi - pos0]  # a view (or an error), never a copy
         rows.add_(part[:, lo - base : hi - base].sum(0), alpha=scale)
