@@ -41,6 +41,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bst_fast import TextHead, belief_state_loss, head as head_module  # noqa: E402
 from bst_fast._pairs import pair_counts, pair_mask  # noqa: E402
+from bst_fast.backends import runtime  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_pairs", Path(__file__).resolve().parent / "pairs.py")
 bench_pairs = importlib.util.module_from_spec(_spec)
@@ -180,9 +181,15 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--chunk-mb", type=int, default=None, help="the triton backend's chunk budget (BST_FAST_CHUNK_MB)")
+    ap.add_argument("--window-rows", type=int, default=None, help="the first-layer window's rows (Switches.window_rows)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
-    res = model(args)
+    changes = dict(window_rows=args.window_rows)
+    if args.chunk_mb is not None:
+        changes["triton_chunk_bytes"] = args.chunk_mb * 2**20
+    with runtime.switched(**changes):
+        res = model(args)
     print(json.dumps(res, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

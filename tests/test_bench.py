@@ -261,3 +261,26 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
         assert r["ms"] > 0 and len(r["times_ms"]) == 1
         assert r["max_rel_err_vs_default"] < 1e-5  # checked before it was timed (the sampler at pairs=1.0)
     assert "| bias_in_gemm |" in (tmp_path / "levers.md").read_text()
+
+
+def test_memory_model_sees_no_table_of_the_whole_batch(tmp_path):
+    """bench/memory_model.py predicts the triton backend's GPU peak from its allocations on the CPU.
+    With a first-layer window of one chunk's rows, 16 more rows add the gradients of f and b and
+    the pair list, not the four float32 (rows, L, h1) tables of the split first layer (a chunk of
+    1 MB holds about 120 pairs here: both batches take several, of the same size)."""
+    def peak(B):
+        out = tmp_path / f"{B}.json"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_model.py"), "--batch", str(B), "--T", "10",
+                              "--d-model", "8", "--hidden", "64", "--vocab", "2000", "--chunk-mb", "1", "--window-rows",
+                              "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    small, large = peak(8), peak(24)
+    L, m, h1 = 12, 8, 64
+    pairs = large["pairs"] - small["pairs"]
+    expected = 16 * 2 * L * m * 2 + pairs * 3 * 4 + 16 * 2 * L * 8  # bf16 df, db; int32 ia, ib, perm; int64 offsets
+    grew = (large["triton_mb"] - small["triton_mb"]) * 2**20
+    tables = 16 * 4 * L * h1 * 4  # what whole-batch A, B, dA, dB would add
+    assert grew < expected + tables / 4, (grew, expected, tables)
+    assert large["triton_vs_materialised"] < small["triton_vs_materialised"] < 1

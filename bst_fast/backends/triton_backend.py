@@ -19,6 +19,12 @@ So 6*n*hL*2V FLOPs in three large GEMMs (M = n, the chunk), about 4*n*2V*es byte
 no atomics anywhere (every sum has one owner and a fixed order: bitwise reproducible), and memory
 bounded by one chunk's working set (CHUNK_BYTES), never by the number of pairs times V.
 
+The first layer is split here, a window of rows at a time (_FirstLayer): A, B, dA, dB in float32
+for the rows the chunks in flight read, 16*L*h1 bytes a row, so no (B, L, h1) table of the whole
+batch is held (the kernels read the window at position - pos0). Its products are the split layer's
+own, 2*L*m*h1 FLOPs a row and side forward and twice that backward, once per row (a row carried
+from one window to the next is not recomputed); each move of the window is about twenty launches.
+
 Levers, runtime switches that bench/levers.py times against the defaults (all off: none paid on the
 H100, docs/backends.md "Levers"):
 - bias_in_gemm: every layer's input H_k sits in a buffer with a ones column, so the dW GEMM over
