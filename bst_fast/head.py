@@ -208,12 +208,13 @@ def _linear_f32(x, w, c):
     return out if c is None else out + c
 
 
-def split_part_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand):
+def split_part_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand, dx_dtype=None):
     """The gradients of x and w for dz, the gradient of split_part(x, lengths, w, ..), from operands
     in `operand` (split_operands' backward dtype) accumulated in float32 (float64): dx zero at
-    padding (as zero_padding's gradient is), in x's dtype; dw in float32 (float64)."""
+    padding (as zero_padding's gradient is), in dx_dtype (None: x's); dw in float32 (float64)."""
     d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
-    dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(x.dtype) if need_x else None
+    dx_dtype = x.dtype if dx_dtype is None else dx_dtype
+    dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(dx_dtype) if need_x else None
     dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])) if need_w else None
     return dx, dw
 

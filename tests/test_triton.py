@@ -1051,3 +1051,35 @@ def test_first_layer_windows_with_levers(levers, chunk_pairs, monkeypatch):
     switch(monkeypatch, window_rows=1, **levers)
     for dtype in (torch.float32, torch.bfloat16):
         _check(f, b, tokens, head, dtype=dtype, lengths=torch.tensor([10, 6, 2, 9, 10]), prefix_start=1)
+
+
+@pytest.mark.parametrize("dtype,grad_out", [(torch.float16, 65536.0), (torch.bfloat16, 1.7)])
+def test_side_gradients_under_a_loss_scale(dtype, grad_out):
+    """The op maps f's and b's gradients in its forward; grad_output scales them afterwards, in
+    float32: a float16 model gets them in float32 (GradScaler's first scale, 65536, overflowed float16
+    ones, padding included), a bfloat16 one in bfloat16 with grad_output not rounded to 16 bits."""
+    f, b, tokens, head = _inputs(2, 7, 4, 11, hidden=12, seed=51)
+    lengths = torch.tensor([7, 5])
+
+    def grads(d, backend):
+        h = copy.deepcopy(head).to(d)
+        fx, bx = f.to(d).requires_grad_(), b.to(d).requires_grad_()
+        loss = belief_state_loss(fx, bx, tokens, h, lengths=lengths, backend=backend)
+        return torch.autograd.grad(loss, [fx, bx, h.layers[0].weight], grad_outputs=torch.tensor(grad_out, dtype=loss.dtype))
+
+    ref, mat, got = grads(torch.float64, "reference"), grads(dtype, "reference"), grads(dtype, "triton")
+    for x, y, z in zip(got, ref, mat):
+        assert x.dtype == dtype and torch.isfinite(x).all()
+        assert _rel(x, y) <= 2 * _rel(z, y) + 1e-3
+    assert got[0][1, 5:].abs().sum() == 0  # padding
+
+
+def test_side_gradients_are_contiguous_whatever_f_is():
+    """The op's fake and the op agree on df's layout for a permuted (dense, not contiguous) f, as a
+    sequence-first encoder gives: torch.compile(fullgraph) with Inductor asserted the strides."""
+    f, b, tokens, head = _inputs(3, 6, 4, 9, hidden=8, seed=52)
+    fT, bT = (x.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for x in (f, b))
+    loss_fn = torch.compile(lambda f, b: belief_state_loss(f, b, tokens, head, backend="triton"), fullgraph=True)
+    gf, gb = torch.autograd.grad(loss_fn(fT, bT), [fT, bT])
+    wf, wb = torch.autograd.grad(belief_state_loss(f.requires_grad_(), b.requires_grad_(), tokens, head, backend="triton"), [f, b])
+    assert _rel(gf, wf) < 1e-6 and _rel(gb, wb) < 1e-6

@@ -14,7 +14,8 @@ the loss and, with need_grad, every gradient in float32 (empty tensors without);
 scales them by grad_output, since the loss is the graph's last node. The triton op takes the whole
 head instead (split=False below): f, b (B, L, m) in A's and Bm's places and the first layer's own
 weight (h1, 2m) and bias first in the lists, split inside it a window of rows at a time, so that no
-(B, L, h1) float32 table of the whole batch is held; it returns df, db in f's and b's dtypes.
+(B, L, h1) float32 table of the whole batch is held; it returns df, db in f's and b's dtypes
+(float32 for float16: side_grad_dtype).
 `text_head_arguments` builds these arguments from a TextHead, the one place the fused backends read
 a head's layers; `fused_problem` says whether a fused backend takes a head and dtype at all.
 """
@@ -74,17 +75,25 @@ def check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i,
                          f"{sorted({str(t.device) for t in model + pair_set})}")
 
 
+def side_grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which the triton op returns the gradients of f and b of `dtype`: theirs for
+    bfloat16 (float32's range: 16 bits a value fewer to hold, and _backward scales them in float32)
+    and float32; float32 for float16, whose range would lose them to a loss scale (GradScaler's
+    65536 overflowed them) or to subnormals (a tiny pair weight) before grad_output reached them."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap,
          row, i, j, weight, next_weight, activation, need_grad, meet_token=None, split: bool = True):
     # Also the Meta kernel: one meta argument among real ones lands here, and the outputs, made on
     # A's device, would be uninitialised memory returned as a loss. split=False: the triton op's
-    # form, whose first two gradients are f's and b's, in their dtypes.
+    # form, whose first two gradients are f's and b's (contiguous, in side_grad_dtype's dtype).
     check_devices(A, Bm, weights, biases, tokens, lengths, prefix_start, row, i, j, weight)
     f32 = dict(dtype=torch.float32)
     if not need_grad:  # the op returns empty gradients then
         return (A.new_empty((), **f32), A.new_empty(0, **f32), A.new_empty(0, **f32),
                 [A.new_empty(0, **f32) for _ in weights], [A.new_empty(0, **f32) for _ in biases])
-    side = lambda t: t.new_empty(t.shape, **({} if not split else f32))
+    side = lambda t: t.new_empty(t.shape, dtype=torch.float32 if split else side_grad_dtype(t.dtype))
     return (A.new_empty((), **f32), side(A), side(Bm),
             [w.new_empty(w.shape, **f32) for w in weights], [c.new_empty(c.shape, **f32) for c in biases])
 
@@ -111,7 +120,10 @@ def _backward(backend, ctx, grad_loss, *_):
     if dA.numel() == 0:
         raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
     n = ctx.n_layers
-    grads = (grad_loss * dA, grad_loss * dB, [grad_loss * w for w in rest[:n]], [grad_loss * c for c in rest[n:]])
+    # in float32: a 16-bit product would round grad_output to 16 bits first (the triton op's bf16
+    # gradients of f and b); autograd then casts to the input's dtype
+    scaled = lambda g: grad_loss * g if g.dtype == torch.float32 else (grad_loss * g.float()).to(g.dtype)
+    grads = (scaled(dA), scaled(dB), [scaled(w) for w in rest[:n]], [scaled(c) for c in rest[n:]])
     # one None per argument after the tensor lists: the dispatcher drops a trailing argument left at
     # its default (meet_token=None), and needs_input_grad has the arguments it kept
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
@@ -119,6 +131,6 @@ def _backward(backend, ctx, grad_loss, *_):
 
 def register(qualname: str, backend: str, split: bool = True):
     """Attach the fake (shapes) and autograd rules to one of the pair-loss ops (`backend`'s);
-    split=False for the triton op's form (the whole head, df and db in f's and b's dtypes)."""
+    split=False for the triton op's form (the whole head, df and db in side_grad_dtype)."""
     torch.library.register_fake(qualname)(fake if split else functools.partial(fake, split=False))
     torch.library.register_autograd(qualname, functools.partial(_backward, backend), setup_context=_setup_context)

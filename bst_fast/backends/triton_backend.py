@@ -130,7 +130,9 @@ class _FirstLayer:
         self.A = self.B = self.dA = self.dB = None
         self.scale = 1.0  # the pair list's wscale: the sums are in its units
         if need:
-            self.df, self.db = torch.zeros_like(f), torch.zeros_like(b)
+            # contiguous, as the op's fake says (zeros_like would keep a permuted f's strides)
+            self.df, self.db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=x.device)
+                                for x in (f, b))
             self.dW, self.dc = torch.zeros(W1.shape, dtype=torch.float32, device=f.device), torch.zeros(
                 c1.shape, dtype=torch.float32, device=f.device)
 
@@ -164,7 +166,7 @@ class _FirstLayer:
         with torch.autocast(self.f.device.type, enabled=False):
             for x, d, w, dx, cols in ((self.f, dA, self.wf, self.df, slice(0, self.wf.shape[1])),
                                       (self.b, dB, self.wb, self.db, slice(self.wf.shape[1], None))):
-                g, gw = split_part_grads(x[rows], d, w, self.lengths[rows], True, True, self.backward)
+                g, gw = split_part_grads(x[rows], d, w, self.lengths[rows], True, True, self.backward, dx.dtype)
                 dx[rows] = g
                 self.dW[:, cols] += gw
             self.dc += dA.sum((0, 1))
@@ -177,7 +179,7 @@ class _FirstLayer:
 
 def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_name: str, lam: float, need: bool,
                     dtype, cfg, V: int, window_rows: int):
-    """Loss and (need) the gradients of f, b (in their dtypes) and of every layer (float32), chunk by chunk.
+    """Loss and (need) the gradients of f, b (side_grad_dtype) and of every layer (float32), chunk by chunk.
 
     f, b: (B, L, m); lengths (B,) on f's device; tokens (B, L) int64; weights/biases: the first
     layer's own (split here, _FirstLayer, window_rows rows at a time), then the later layers in the
@@ -297,7 +299,7 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
     """The GPU pair-loss op: bst_fast::pair_loss's schema and rules (pair_loss_op), but for the whole
     head: f, b (B, L, m) in place of the split first layer's A, B, and weights[0], biases[0] that
     layer's own (h1, 2m) and (h1,), which the op splits itself a window of rows at a time
-    (_FirstLayer); it returns the gradients of f and b in their dtypes. The later layers share one
+    (_FirstLayer); it returns the gradients of f and b in their dtypes (float32 for float16). The later layers share one
     dtype, the matrix operands' compute dtype."""
     if activation not in ACT:
         raise ValueError(f"activation must be one of {tuple(ACT)}, got {activation!r}")
