@@ -121,14 +121,14 @@ class _FirstLayer:
     (B,) on the device (positions at or past them are zeroed, as head.split_linear zeroes them);
     operands: head.split_operands' (forward, backward) dtypes of the matrix operands."""
 
-    def __init__(self, f, b, W1, c1, lengths, operands, need: bool, rows: int):
+    def __init__(self, f, b, W1, c1, lengths, operands, need: bool, rows: int, scale: float):
         m = f.shape[-1]
         self.f, self.b, self.lengths, self.need, self.rows = f, b, lengths, need, max(1, rows)
         self.wf, self.wb, self.c1 = W1[:, :m], W1[:, m:], c1
         self.forward, self.backward = operands
         self.r0 = self.r1 = 0
         self.A = self.B = self.dA = self.dB = None
-        self.scale = 1.0  # the pair list's wscale: the sums are in its units
+        self.scale = scale  # the pair list's wscale: the sums are in its units
         if need:
             # contiguous, as the op's fake says (zeros_like would keep a permuted f's strides)
             self.df, self.db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=x.device)
@@ -187,7 +187,8 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
     chunk_config's launch shapes, which also cut `pl`. Returns (loss, df, db, dW list, dc list)."""
     dev = f.device
     L = f.shape[1]
-    first = _FirstLayer(f, b, weights[0], biases[0], lengths, split_operands(dtype, f.dtype), need, window_rows)
+    first = _FirstLayer(f, b, weights[0], biases[0], lengths, split_operands(dtype, f.dtype), need, window_rows,
+                        pl.wscale)
     weights, biases = weights[1:], biases[1:]
     h1 = weights[0].shape[1]
     up = interpreted_bf16(dtype)
@@ -222,7 +223,6 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
     hidden_cfg = [hidden_grad_config(dev.type, w.shape[0]) for w in weights[:-1]]
     hidden_parts = ([torch.empty(hidden_grad_programs(nmax, g), w.shape[0], **f32)
                      for g, w in zip(hidden_cfg, weights[:-1])] if need and runtime.SWITCHES.hidden_sums else None)
-    first.scale = pl.wscale
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
         first.cover(chunk.pre_lo // L, (chunk.pre_hi - 1) // L)  # the rows of the chunk's pairs
@@ -252,8 +252,8 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
             del H, Z, Zs, Hs
             continue
         # Each tensor goes once the backward is past it (the logits' gradient Z once dH_L is made,
-        # a layer's input once its dW is summed): the chunk's peak is the forward's tensors and
-        # dH_L, es * (2V + sum h + sum h[1:] + hL) bytes a pair, which chunk_config's budget counts.
+        # a layer's input once its dW is summed): the chunk holds at most the forward's tensors and one
+        # layer's gradient, es * (2V + sum h + sum h[1:] + max h) bytes a pair, within chunk_config's budget.
         dH = Z
         del H, Z
         for k in range(len(weights) - 1, -1, -1):
@@ -310,8 +310,9 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
     if any(t.dtype != dtype for t in (*weights[1:], *biases[1:])):
         raise ValueError(f"the layers after the first must share one dtype, got "
                          f"{[t.dtype for t in (*weights[1:], *biases[1:])]}")
-    if f.dim() != 3 or not f.is_floating_point() or f.dtype == torch.float64:
-        raise ValueError(f"f must be (B, L, m) float32, float16 or bfloat16, got {tuple(f.shape)} {f.dtype}")
+    _pairs.check_f(f)
+    if f.dtype == torch.float64:
+        raise ValueError("f must be float32, float16 or bfloat16 (float64 runs through 'torch' or 'reference')")
     Bn, L, m = f.shape
     widths = [2 * m] + [w.shape[0] for w in weights]
     for k, (w, c) in enumerate(zip(weights, biases)):
@@ -331,7 +332,8 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
     checked = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                              max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
                              reduction="sum", generator=None, meet_token=meet_token, host_pairs=True)
-    bad_tok = _pairs.token_problems(tokens, lengths, V) if checked.host else None
+    on_device_lengths = _pairs.to_device(lengths, f.device)  # uploaded once, without blocking
+    bad_tok = _pairs.token_problems(tokens, on_device_lengths, V) if checked.host else None
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
               scale=weight if row is None else weight.new_ones(()), row=row, i=i, j=j,
               weight=None if row is None else weight, meet_token=meet_token if min_gap == 1 else None)
@@ -345,7 +347,7 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
     cfg = chunk_config(f.device.type, Vp, hidden, dtype, runtime.SWITCHES)
     pl = pair_list(p, Bn, L, cfg["chunk"], structured=runtime.SWITCHES.structured_sums, device=f.device)
     with on_device(f.device):
-        loss, df, db, dW, dc = _loss_by_chunks(f, b, _pairs.to_device(lengths, f.device), tokens, pl, weights, biases,
+        loss, df, db, dW, dc = _loss_by_chunks(f, b, on_device_lengths, tokens, pl, weights, biases,
                                                activation, next_weight, need_grad, dtype, cfg, V,
                                                window_rows(Bn, L, hidden[0], need_grad, runtime.SWITCHES))
     if bad_tok is not None:  # the op's one synchronisation, after its kernels
