@@ -2,6 +2,7 @@
 
     python bench/memory_model.py                               # pairs-b: B=256, T=64, m=h=768, 2 layers, V=1000, bf16
     python bench/memory_model.py --batch 32 --T 256 --d-model 512 --hidden 512    # pairs-a
+    python bench/memory_model.py --head swiglu --backend torch --batch 32 --T 256 --d-model 512  # the official head
 
 What `bench/pairs.py` measures on a GPU as "peak MB" (max_memory_allocated's growth over one
 forward + backward, gradients included) is a sum of tensor storages, which depends on shapes
@@ -39,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bst_fast import TextHead, belief_state_loss, head as head_module  # noqa: E402
+from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss, head as head_module  # noqa: E402
 from bst_fast._pairs import pair_counts, pair_mask  # noqa: E402
 from bst_fast.backends import runtime  # noqa: E402
 
@@ -106,17 +107,21 @@ def _mm_f32_cuda(a, b):
 
 @contextlib.contextmanager
 def as_on_a_gpu():
-    """The triton backend's CPU run allocating as its CUDA run does, its kernels not launched."""
+    """The fused backends' CPU runs allocating as their CUDA runs do, their kernels not launched:
+    the triton backend's launch shapes, the torch backend's GPU chunk budget and Triton engine."""
     from triton.runtime.interpreter import InterpretedFunction
-    from bst_fast.backends import launch, triton_backend
+    from bst_fast.backends import launch, torch_backend, triton_backend
 
     saved = [(InterpretedFunction, "run", InterpretedFunction.run), (head_module, "mm_f32", head_module.mm_f32),
-             (triton_backend, "mm_f32", triton_backend.mm_f32), (triton_backend, "chunk_config", triton_backend.chunk_config)]
+             (triton_backend, "mm_f32", triton_backend.mm_f32), (triton_backend, "chunk_config", triton_backend.chunk_config),
+             (torch_backend, "_budget", torch_backend._budget)]
     InterpretedFunction.run = lambda self, *a, **k: None
     head_module.mm_f32 = triton_backend.mm_f32 = _mm_f32_cuda
     triton_backend.chunk_config = lambda device_type, *a, **k: launch.chunk_config("cuda", *a, **k)
+    torch_backend._budget = lambda device, switches: switches.torch_chunk_bytes
     try:
-        yield
+        with runtime.switched(triton_ops=True):
+            yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
@@ -134,11 +139,15 @@ def model(args) -> dict:
     dtype = getattr(torch, args.dtype)
     B, L, m, V = args.batch, args.T + 2, args.d_model, args.vocab  # rows of T tokens with BOS/EOS, as pairs.py
     torch.manual_seed(0)
+    name = args.backend
     out = dict(shape=dict(batch=B, T=args.T, d_model=m, hidden=args.hidden, layers=args.layers, vocab=V,
-                          dtype=args.dtype))
+                          dtype=args.dtype, head=args.head), backend=name)
 
     def inputs(device):
-        head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers, activation="gelu").to(device, dtype)
+        if args.head == "swiglu":
+            head = ResidualSwiGLUHead(m, V, hidden=args.swiglu_hidden).to(device, dtype)
+        else:
+            head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers, activation="gelu").to(device, dtype)
         f = torch.randn(B, L, m, dtype=dtype).to(device).requires_grad_()
         b = torch.randn(B, L, m, dtype=dtype).to(device).requires_grad_()
         tokens = torch.randint(0, V, (B, L)).to(device)
@@ -148,14 +157,14 @@ def model(args) -> dict:
 
     def fused():
         with as_on_a_gpu():
-            belief_state_loss(f, b, tokens, head, backend="triton").backward()
+            belief_state_loss(f, b, tokens, head, backend=name).backward()
 
     def forward():
         with as_on_a_gpu(), torch.no_grad():
-            belief_state_loss(f, b, tokens, head, backend="triton")
+            belief_state_loss(f, b, tokens, head, backend=name)
 
-    out["triton_forward_mb"] = peak_bytes(forward) / 2**20
-    out["triton_mb"] = peak_bytes(fused) / 2**20
+    out[f"{name}_forward_mb"] = peak_bytes(forward) / 2**20
+    out[f"{name}_mb"] = peak_bytes(fused) / 2**20
     lengths = torch.full((B,), L)
     start = torch.zeros(B, dtype=torch.long)
     row, i, j = pair_mask(lengths, start, 2, L, L).nonzero(as_tuple=True)
@@ -168,7 +177,7 @@ def model(args) -> dict:
         bench_pairs.materialised(f, b, tokens, head, row, i, j, scale, V).backward()
 
     out["materialised_mb"] = peak_bytes(materialised) / 2**20
-    out["triton_vs_materialised"] = out["triton_mb"] / out["materialised_mb"]
+    out[f"{name}_vs_materialised"] = out[f"{name}_mb"] / out["materialised_mb"]
     return out
 
 
@@ -180,14 +189,18 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--head", default="mlp", choices=["mlp", "swiglu"], help="TextHead (gelu) or ResidualSwiGLUHead")
+    ap.add_argument("--swiglu-hidden", type=int, default=None, help="the SwiGLU head's width (default: the official one)")
+    ap.add_argument("--backend", default="triton", choices=["triton", "torch"])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--chunk-mb", type=int, default=None, help="the triton backend's chunk budget (BST_FAST_CHUNK_MB)")
-    ap.add_argument("--window-rows", type=int, default=None, help="the first-layer window's rows (Switches.window_rows)")
+    ap.add_argument("--chunk-mb", type=int, default=None,
+                    help="the chunk budget (BST_FAST_CHUNK_MB, or BST_FAST_TORCH_CHUNK_MB with --backend torch)")
+    ap.add_argument("--window-rows", type=int, default=None, help="a window's rows (Switches.window_rows)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     changes = dict(window_rows=args.window_rows)
     if args.chunk_mb is not None:
-        changes["triton_chunk_bytes"] = args.chunk_mb * 2**20
+        changes["triton_chunk_bytes" if args.backend == "triton" else "torch_chunk_bytes"] = args.chunk_mb * 2**20
     with runtime.switched(**changes):
         res = model(args)
     print(json.dumps(res, indent=1))

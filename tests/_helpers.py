@@ -153,10 +153,11 @@ def switch(monkeypatch, **changes):
     monkeypatch.setattr(runtime, "SWITCHES", dataclasses.replace(runtime.SWITCHES, **changes))
 
 
-def tiny_weight_float16_errors(run, f, b, tokens, head, V, scale):
+def tiny_weight_float16_errors(run, f, b, tokens, head, V, scale, grad_output=1.0):
     """(loss error, [gradient errors of f, b and the head's parameters]) of a backend's
     `run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=V))` in float16 against
-    float64, every pair of the rows weighed by `scale` (tiny: a mean over very many pairs)."""
+    float64, every pair of the rows weighed by `scale` (tiny: a mean over very many pairs), the
+    gradients those of grad_output * loss (a loss scale)."""
     from bst_fast import _pairs, reference
     from bst_fast.backends.runtime import LossOptions
 
@@ -167,11 +168,11 @@ def tiny_weight_float16_errors(run, f, b, tokens, head, V, scale):
     h64 = copy.deepcopy(head).double()
     f64, b64 = f.double().requires_grad_(), b.double().requires_grad_()
     ref = reference.run(f64, b64, tokens, h64, p, options)
-    ref_g = torch.autograd.grad(ref, [f64, b64, *h64.parameters()])
+    ref_g = torch.autograd.grad(ref * grad_output, [f64, b64, *h64.parameters()])
     h16 = copy.deepcopy(head).half()
     f16, b16 = f.half().requires_grad_(), b.half().requires_grad_()
     out = run(f16, b16, tokens, h16, p, options)
-    g = torch.autograd.grad(out, [f16, b16, *h16.parameters()])
+    g = torch.autograd.grad(out * grad_output, [f16, b16, *h16.parameters()])
     return rel_err(out, ref), [rel_err(x, y) for x, y in zip(g, ref_g)]
 
 

@@ -263,24 +263,43 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
     assert "| bias_in_gemm |" in (tmp_path / "levers.md").read_text()
 
 
-def test_memory_model_sees_no_table_of_the_whole_batch(tmp_path):
-    """bench/memory_model.py predicts the triton backend's GPU peak from its allocations on the CPU.
-    With a first-layer window of one chunk's rows, 16 more rows add the gradients of f and b and
-    the pair list, not the four float32 (rows, L, h1) tables of the split first layer (a chunk of
-    1 MB holds about 120 pairs here: both batches take several, of the same size)."""
+def _modelled_growth(tmp_path, backend, *args):
+    """(bytes the modelled peak grows by from B = 8 to 24, the bytes that growth may hold besides
+    tables, the larger batch's ratio to the materialised objective's, the smaller's): T = 10, m = 8,
+    V = 2000, chunks of 1 MB (about 120 pairs here: both batches take several, of the same size) and
+    windows of one chunk's rows."""
     def peak(B):
-        out = tmp_path / f"{B}.json"
-        run = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_model.py"), "--batch", str(B), "--T", "10",
-                              "--d-model", "8", "--hidden", "64", "--vocab", "2000", "--chunk-mb", "1", "--window-rows",
-                              "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
+        out = tmp_path / f"{backend}-{B}.json"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_model.py"), "--backend", backend, *args,
+                              "--batch", str(B), "--T", "10", "--d-model", "8", "--vocab", "2000", "--chunk-mb", "1",
+                              "--window-rows", "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         return json.loads(out.read_text())
 
     small, large = peak(8), peak(24)
-    L, m, h1 = 12, 8, 64
+    L, m = 12, 8
     pairs = large["pairs"] - small["pairs"]
     expected = 16 * 2 * L * m * 2 + pairs * 3 * 4 + 16 * 2 * L * 8  # bf16 df, db; int32 ia, ib, perm; int64 offsets
-    grew = (large["triton_mb"] - small["triton_mb"]) * 2**20
-    tables = 16 * 4 * L * h1 * 4  # what whole-batch A, B, dA, dB would add
+    ratio = f"{backend}_vs_materialised"
+    return (large[f"{backend}_mb"] - small[f"{backend}_mb"]) * 2**20, expected, large[ratio], small[ratio]
+
+
+def test_memory_model_sees_no_table_of_the_whole_batch(tmp_path):
+    """bench/memory_model.py predicts the triton backend's GPU peak from its allocations on the CPU.
+    With a first-layer window of one chunk's rows, 16 more rows add the gradients of f and b and
+    the pair list, not the four float32 (rows, L, h1) tables of the split first layer."""
+    grew, expected, large, small = _modelled_growth(tmp_path, "triton", "--hidden", "64")
+    tables = 16 * 4 * 12 * 64 * 4  # what whole-batch A, B, dA, dB would add (L = 12, h1 = 64)
     assert grew < expected + tables / 4, (grew, expected, tables)
-    assert large["triton_vs_materialised"] < small["triton_vs_materialised"] < 1
+    assert large < small < 1
+
+
+def test_memory_model_of_the_torch_backend_sees_no_table_of_the_whole_batch(tmp_path):
+    """The same for the torch backend and the SwiGLU head, whose parts are made a window of rows at
+    a time: 16 more rows add the gradients of f and b and the pair list, not the float32 [gate | up]
+    tables, their sums and the [f ; 0], [0 ; b] parts of 16 rows (and the backward's copies)."""
+    grew, expected, large, small = _modelled_growth(tmp_path, "torch", "--head", "swiglu", "--swiglu-hidden", "64")
+    L, m, H = 12, 8, 64
+    tables = 16 * L * 2 * (2 * H * 4 * 2 + 2 * m * (2 + 4))  # [gate | up] and [f ; 0] tables and their sums, both sides
+    assert grew < expected + tables / 4, (grew, expected, tables)
+    assert large < small < 1

@@ -192,6 +192,63 @@ def test_both_engines_chunk_boundaries(monkeypatch, chunk, engine):
     check_against_reference(f, b, tokens, head, backend="torch", seed=seed, pairs=CASES["explicit"]["pairs"])
 
 
+WINDOW_CASES = {"lengths_gaps": CASES["lengths_gaps"], "explicit": CASES["explicit"], "fraction": CASES["fraction"],
+                "documents": dict(documents=torch.tensor([[0] * 4 + [1] * 9, [0] * 13, [2] * 6 + [5] * 7]), min_gap=1,
+                                  meet_token=0, prefix_start=torch.tensor([0, 3, 1]))}
+
+
+def _count_windows(monkeypatch):
+    """The windows each run of the torch backend made (a list per run)."""
+    made = []
+    real = torch_backend._windows
+    monkeypatch.setattr(torch_backend, "_windows", lambda *a: made.append(real(*a)) or made[-1])
+    return made
+
+
+@pytest.mark.parametrize("kind", ["mlp", "swiglu", "other"])
+def test_windows_of_rows(monkeypatch, kind, engine):
+    """The parts' tables and their gradient sums a window of rows at a time (Switches.window_rows):
+    windows of one and two rows, chunks that end inside a row (a row in two windows, its sums mapped
+    in two pieces), a chunk of one pair, chunks that span more rows than a window; explicit pairs
+    (unsorted, repeated, rows skipped), a subsample and packed documents; both engines, float32."""
+    made = _count_windows(monkeypatch)
+    seed = 170 + ["mlp", "swiglu", "other"].index(kind)
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed, bias=True), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
+    for rows, chunk in ((1, 7), (2, 5), (1, 1), (1, 40)):
+        switch(monkeypatch, window_rows=rows, chunk_pairs=chunk)
+        for case, opts in WINDOW_CASES.items():
+            check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float32, seed=seed, **opts)
+    assert max(len(w) for w in made) >= 3 and all(rb - ra < 2 or len(c) == 1 for w in made for ra, rb, c in w)
+    # some row was in two windows
+    assert any(w[k][1] == w[k + 1][0] for w in made for k in range(len(w) - 1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "swiglu", "other"])
+def test_windows_of_rows_float64(monkeypatch, kind):
+    """The same windows in float64 (the torch ops), at float64's precision: the pieces of a shared
+    row's sums and the windows' parameter gradients add up exactly as one window's."""
+    made = _count_windows(monkeypatch)
+    seed = 180 + ["mlp", "swiglu", "other"].index(kind)
+    f, b, tokens, mlp = make_inputs(B=3, L=13, m=7, V=13, hidden=[11, 6], n_layers=3, seed=seed)
+    head = {"mlp": mlp, "swiglu": make_swiglu(seed=seed), "other": SwiGLUHead(7, 13, seed=seed)}[kind]
+    for rows, chunk in ((1, 7), (2, 11)):
+        switch(monkeypatch, window_rows=rows, chunk_pairs=chunk)
+        for case, opts in WINDOW_CASES.items():
+            check_against_reference(f, b, tokens, head, backend="torch", dtype=torch.float64, seed=seed, **opts)
+    assert max(len(w) for w in made) >= 3
+
+
+def test_window_rows_rule():
+    """A sixteenth of the chunk budget's bytes, or a sixteenth of the batch if more; the switch wins."""
+    sw = runtime.Switches()
+    assert runtime.window_rows(256, 2**20, 256 * 2**20, sw) == 16
+    assert runtime.window_rows(32, 2**10, 256 * 2**20, sw) == 16384
+    assert runtime.window_rows(1000, 2**30, 256 * 2**20, sw) == 63
+    assert runtime.window_rows(1, 2**40, 1, sw) == 1
+    assert runtime.window_rows(1000, 1, 1, runtime.Switches(window_rows=3)) == 3
+
+
 @pytest.mark.parametrize("case", ["default", "explicit", "fraction"])
 def test_unfused_swiglu_against_reference(case, monkeypatch, engine):
     """fused_swiglu off: gate and up summed apart (column halves of one table, strided rows for the
@@ -670,7 +727,7 @@ def test_split_16bit_reaches_every_caller(on, monkeypatch):
     seen.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         belief_state_loss(f, b, tokens, head, backend="torch")
-    assert seen == [want, want]
+    assert len(seen) >= 2 and set(seen) == {want}  # a probe of one row, then each window's parts
     if importlib.util.find_spec("bst_fast._C") is not None:
         seen.clear()
         cpp_backend.run(f, b, tokens, head, p, LossOptions(next_weight=0.5, vocab_size=9))
@@ -942,6 +999,16 @@ def test_float16_tiny_pair_weights_keep_their_digits(monkeypatch):
     f, b, tokens, head = make_inputs(B=1, L=9, m=5, V=13, seed=10)
     loss_err, grad_errs = tiny_weight_float16_errors(torch_backend.run, f, b, tokens, head, 13, scale=2e-6)
     assert loss_err < 1e-2 and max(grad_errs) < 2e-2, grad_errs
+    # Windows of one row under a loss scale: each window's sums map to f, b and the first layer
+    # through the head's float16 backward before the scale reaches them, so in units of the pair
+    # weights (in true units, 1e-8 a pair, they would be all but lost to float16's subnormals there)
+    switch(monkeypatch, window_rows=1)
+    for kind in ("mlp", "swiglu"):
+        f, b, tokens, mlp = make_inputs(B=3, L=9, m=5, V=13, seed=11)
+        head = mlp if kind == "mlp" else make_swiglu(m=5, V=13, seed=11)
+        loss_err, grad_errs = tiny_weight_float16_errors(torch_backend.run, f, b, tokens, head, 13, scale=1e-8,
+                                                         grad_output=65536.0)
+        assert loss_err < 1e-2 and max(grad_errs) < 2e-2, (kind, grad_errs)
 
 
 def _split_linear_by_autograd(linear, f, b, lengths):
@@ -979,8 +1046,13 @@ def test_split_linear_backward_and_what_it_keeps(dtype, bias):
         grads = torch.autograd.grad((A * dA.to(A.dtype)).sum() + (B * dB.to(B.dtype)).sum(), [f, b, *lin.parameters()])
         results.append(([A, B, *grads], saved))
     (want, _), (got, saved) = results
-    for w, x in zip(want, got):
-        assert torch.equal(w, x)
+    for k, (w, x) in enumerate(zip(want, got)):
+        if k >= 4 and w.dim() == 2 and dtype == torch.float32:
+            # the weight's gradient: autograd takes f^T dA, split_linear (dA^T f); which order a BLAS
+            # sums their 15 products in depends on the orientation (AMD EPYC: 1 ulp apart)
+            assert torch.allclose(w, x, rtol=1e-6, atol=1e-6), (w - x).abs().max()
+        else:
+            assert torch.equal(w, x)
     assert all(torch.isfinite(x).all() for x in got[2:])
     big = [t for t in saved if t.numel() == f.numel()]
     assert {t.data_ptr() for t in big} == {f.data_ptr(), b.data_ptr()} and all(t.dtype == dtype for t in big)

@@ -113,6 +113,14 @@ def no_double_backward(backend: str):
                            f"has no second derivative (backward with create_graph=True); use backend='reference'")
 
 
+def scaled(grad_loss: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """grad_loss * g in g's dtype, the product taken in float32 at least: a 16-bit product would
+    round grad_output to 16 bits first (the ops' 16-bit gradients of f and b)."""
+    if g.dtype.itemsize >= 4:
+        return grad_loss * g
+    return (grad_loss * g.float()).to(g.dtype)
+
+
 def _backward(backend, ctx, grad_loss, *_):
     # The op computed its gradients in the forward pass; the chain rule only scales them.
     no_double_backward(backend)
@@ -120,10 +128,8 @@ def _backward(backend, ctx, grad_loss, *_):
     if dA.numel() == 0:
         raise RuntimeError("the pair-loss op ran with need_grad=False: it computed no gradient to return")
     n = ctx.n_layers
-    # in float32: a 16-bit product would round grad_output to 16 bits first (the triton op's bf16
-    # gradients of f and b); autograd then casts to the input's dtype
-    scaled = lambda g: grad_loss * g if g.dtype == torch.float32 else (grad_loss * g.float()).to(g.dtype)
-    grads = (scaled(dA), scaled(dB), [scaled(w) for w in rest[:n]], [scaled(c) for c in rest[n:]])
+    scale = functools.partial(scaled, grad_loss)
+    grads = (scale(dA), scale(dB), [scale(w) for w in rest[:n]], [scale(c) for c in rest[n:]])
     # one None per argument after the tensor lists: the dispatcher drops a trailing argument left at
     # its default (meet_token=None), and needs_input_grad has the arguments it kept
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))

@@ -60,8 +60,9 @@ class Switches:
     torch_cpu_chunk_bytes: int = 16 * 2**20
     # A fixed number of pairs per chunk instead of the byte budgets, in both chunked backends (tests).
     chunk_pairs: Optional[int] = None
-    # A fixed number of rows in the triton backend's first-layer window beyond one chunk's rows
-    # (triton_backend._FirstLayer) instead of window_rows' rule (tests: windows that move often).
+    # A fixed number of rows in a window of per-position tables (the triton backend's first layer,
+    # triton_backend._FirstLayer; the torch backend's parts) instead of window_rows' rule (tests:
+    # windows that move often). A window still holds at least one chunk's rows.
     window_rows: Optional[int] = None
     # The torch backend's chunk engine (backends/torch_chunks.py): None takes the Triton kernels for
     # CUDA tensors, True forces them (the CPU through TRITON_INTERPRET=1, tests), False the torch ops.
@@ -154,6 +155,16 @@ def switched(**changes):
         yield SWITCHES
     finally:
         SWITCHES = old
+
+
+def window_rows(B: int, per_row: int, budget: int, switches: Switches) -> int:
+    """Rows of a window of per-position tables of `per_row` bytes a row (a backend's split first
+    layer or parts, and their gradient sums): switches.window_rows if set, else a sixteenth of the
+    chunk budget's bytes, or a sixteenth of the batch if more, so that a batch takes at most about
+    sixteen windows (each some launches and a few GEMMs over its rows)."""
+    if switches.window_rows is not None:
+        return switches.window_rows
+    return max(1, -(-B // 16), budget // 16 // max(1, per_row))
 
 
 def _switches_in_force() -> Switches:

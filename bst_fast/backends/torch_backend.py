@@ -25,21 +25,35 @@ gate/up projection (a swiglu part); any other head gets [f ; 0] and [0 ; b], who
 The pair sums, their gradients and the cross-entropy are a chunk engine's (backends/torch_chunks.py:
 the Triton kernels for CUDA tensors, torch ops on the CPU and in float64).
 
+The parts are made a window of rows at a time, not for the batch: the chunks are grouped into
+windows of about runtime.window_rows rows (a sixteenth of the chunk budget's bytes of tables and
+gradient sums, or a sixteenth of the batch if more; one chunk's rows if more), and for each the
+head's pair_parts runs on its rows of f and b (under autograd), its chunks run, and its gradient
+sums d[P ; Q] are then mapped at once through the parts' graph (the head's own backward) to f, b
+and the split parameters, and dropped. (The SwiGLU head's float32 [gate | up] tables and sums are
+16 * 8192 bytes a position at m = 768: 8.7 GB for a batch of 256 rows of 258.) A row that one chunk
+ends in and the next begins in lies in two windows: its parts are made twice (at most one row a
+window more of the split products) and its sums mapped in two pieces, which add. In float16 the sums are mapped in units of wscale * L
+(a power of two), since the head's float16 backward would round a row's sum of tiny pair weights to
+subnormals before grad_output (a loss scale) reached it.
+
 A chunk holds about the switches' byte budget in the per-pair tensors the backend makes: the parts'
 values and the logits (the head's own intermediates come on top: for the SwiGLU head about twice as
 much). Every part counts, not only the widest: the SwiGLU head's residual and SwiGLU output are each
 narrower than its logits, but together wider.
 
-The loss is the graph's last node, so the forward computes every gradient and the backward only
-scales them by grad_output (autograd then maps the parts' gradients back to f, b and the split
-weights). The cross-entropy's gradient carries the true pair weights, except in fp16, where they
-are divided by the largest one and the chunk scaled (see the chunk loop) against underflow and
-overflow, both multiplied back in the float32 accumulators.
+The loss is the graph's last node, so the forward computes every gradient, those of f, b and the
+split weights included, and the backward only scales them by grad_output (f's and b's are kept in
+pair_loss_op.side_grad_dtype's dtype, as the triton op keeps them). The cross-entropy's gradient
+carries the true pair weights, except in fp16, where they are divided by the largest one and the
+chunk scaled (see the chunk loop) against underflow and overflow, both multiplied back in the
+float32 accumulators.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
@@ -47,7 +61,7 @@ import torch
 
 from .._pairs import Pairs, pair_list
 from ..head import PairParts, concat_parts, swiglu
-from . import runtime
+from . import pair_loss_op, runtime
 from .pair_loss_op import no_double_backward
 from .runtime import LossOptions, Switches, on_device
 from .torch_chunks import TritonOps, engine
@@ -88,12 +102,16 @@ def _compiled_tail():
     return torch.compile(_call_tail)
 
 
+def _budget(device: torch.device, switches: Switches) -> int:
+    """A chunk's byte budget on `device`."""
+    return switches.torch_chunk_bytes if device.type != "cpu" else switches.torch_cpu_chunk_bytes
+
+
 def chunk_pairs(per_pair_bytes: int, device: torch.device, switches: Switches) -> int:
     """Pairs per chunk: switches.chunk_pairs if set, else the byte budget over the bytes per pair."""
     if switches.chunk_pairs is not None:
         return int(switches.chunk_pairs)
-    budget = switches.torch_chunk_bytes if device.type != "cpu" else switches.torch_cpu_chunk_bytes
-    return max(1, budget // max(1, per_pair_bytes))
+    return max(1, _budget(device, switches) // max(1, per_pair_bytes))
 
 
 class _SavedStorages:
@@ -133,40 +151,65 @@ class _PairSum(torch.autograd.Function):
 
 @dataclass(frozen=True, eq=False)
 class _Call:
-    """What a _ChunkedLoss computes besides its tensor inputs (the parts' tables and the head's
-    parameters, which follow it in apply)."""
+    """What a _ChunkedLoss computes besides its tensor inputs (f, b and the head's parameters,
+    which follow it in apply)."""
 
     tokens: torch.Tensor  # (B, L) int64
     pairs: Pairs
     options: LossOptions
-    tail: Callable  # the head's per-pair work: [x_0, x_1, ...] -> (n, 2V) logits
-    dtypes: List[torch.dtype]  # x_k is rounded once to dtypes[k]
-    swiglu: Tuple[int, ...]  # parts whose x_k is swiglu(gate, up) of their two halves' sums
-    n_parts: int
+    split: Callable  # the head's pair_parts: (f, b, lengths) of some rows -> their PairParts
     grad_enabled: bool  # the caller's grad mode (inside forward it is always off)
+
+
+def _parts(split, f, b, lengths) -> PairParts:
+    """split(f, b, lengths), its swiglu list checked."""
+    parts = split(f, b, lengths)
+    n = len(parts.prefix)
+    for k in parts.swiglu:
+        if not (isinstance(k, int) and 0 <= k < n and parts.prefix[k].shape[-1] % 2 == 0):
+            raise ValueError(f"pair_parts: swiglu must list parts of even width ([gate | up]) among the {n} "
+                             f"parts, got {k!r}")
+    return parts
+
+
+def _windows(chunks, L: int, rows: int):
+    """The chunks grouped into windows of rows: [(ra, rb, chunks)], each window's chunks reading rows
+    ra..rb, at most `rows` of them unless one chunk reads more. A row that one chunk ends in and the
+    next begins in belongs to both windows: its parts are made twice and its gradient sums mapped
+    in two pieces, which add up."""
+    out = []
+    for c in chunks:
+        ra, rb = c.pre_lo // L, (c.pre_hi - 1) // L  # the list is sorted by row: a pair's positions share it
+        if out and rb < out[-1][0] + rows:
+            out[-1][1] = max(out[-1][1], rb)
+            out[-1][2].append(c)
+        else:
+            out.append([ra, rb, [c]])
+    return out
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _Call, *inputs):
-        tokens, dtypes, swiglu_parts, n_parts = call.tokens, call.dtypes, call.swiglu, call.n_parts
-        switches, vocab_size = call.options.switches, call.options.vocab_size
-        prefix, suffix, params = inputs[:n_parts], inputs[n_parts : 2 * n_parts], inputs[2 * n_parts :]
-        acc = torch.float64 if any(t.dtype == torch.float64 for t in inputs[: 2 * n_parts]) else torch.float32
+    def forward(ctx, call: _Call, f, b, *params):
+        tokens, switches, vocab_size = call.tokens, call.options.switches, call.options.vocab_size
         dev = tokens.device
         Bn, L = tokens.shape
-        BL = Bn * L
+        lengths = call.pairs.lengths
         # needs_input_grad ignores grad mode (inside forward it is always off): the caller's
         # grad_enabled decides whether any gradient is computed at all.
-        need = [call.grad_enabled and n for n in ctx.needs_input_grad[1:]]  # after `call`: the inputs
-        need_parts = [a or b for a, b in zip(need[:n_parts], need[n_parts : 2 * n_parts])]
-        need_params = need[2 * n_parts :]
-        grads = [torch.zeros(2 * BL, P.shape[-1], dtype=acc, device=dev) if n else None
-                 for P, n in zip(prefix, need_parts)]  # d[P ; Q] per part
+        need = [call.grad_enabled and n for n in ctx.needs_input_grad[1:]]  # after `call`: f, b, params
+        need_f, need_b, need_params = need[0], need[1], need[2:]
         wrt_params = [q for q, n in zip(params, need_params) if n]
-        grad_params = [None] * len(wrt_params)  # created at the first chunk that reaches them
+        grad_params = [None] * len(wrt_params)  # created at the first chunk or window that reaches them
         token = torch.zeros((), device=dev, requires_grad=True)
-        backprop = any(need_parts) or bool(wrt_params)
+        backprop = need_f or need_b or bool(wrt_params)
+        with torch.no_grad():  # the parts' widths and dtypes, from one row
+            probe = _parts(call.split, f[:1], b[:1], lengths[:1])
+        dtypes, swiglu_parts = list(probe.dtypes), tuple(probe.swiglu)
+        widths = [P.shape[-1] for P in probe.prefix]
+        acc = torch.float64 if any(t.dtype == torch.float64 for t in probe.prefix + probe.suffix) else torch.float32
+        table_bytes = sum(P.shape[-1] * (P.dtype.itemsize + Q.dtype.itemsize) for P, Q in zip(probe.prefix, probe.suffix))
+        del probe
 
         # the dtype of the head's matrix products: autocast's, else the parameters'
         compute = params[0].dtype if params else dtypes[0]
@@ -175,25 +218,42 @@ class _ChunkedLoss(torch.autograd.Function):
         es = compute.itemsize
         # a swiglu part makes one half-width tensor fused, the gate and up sums (and swiglu's) apart
         fused = switches.fused_swiglu
-        per_pair = 2 * vocab_size * es + sum(P.shape[-1] * d.itemsize // (2 if k in swiglu_parts and fused else 1)
-                                             for k, (P, d) in enumerate(zip(prefix, dtypes)))
+        per_pair = 2 * vocab_size * es + sum(w * d.itemsize // (2 if k in swiglu_parts and fused else 1)
+                                             for k, (w, d) in enumerate(zip(widths, dtypes)))
         Ops = engine(dev, acc, switches.triton_ops)
         # the structured walk is the Triton engine's (its segment kernels); the torch ops take none
         pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
                        structured=switches.structured_sums and Ops is TritonOps)
-        ops = Ops(prefix, suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight)
+        # the parts' tables and (backprop) their gradient sums, a window of rows at a time
+        per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop else 0))
+        windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, _budget(dev, switches), switches))
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
         wscale = pl.wscale
+        # A window's sums map to f, b and the split parameters through the head's own backward, in
+        # their dtypes: in float16 a row's sum of tiny pair weights would fall to subnormals there,
+        # so they go in units of wscale * L (a position's sum has at most L pairs), a power of two.
+        unit = 2.0 ** round(math.log2(wscale * L)) if (fp16 or f.dtype == torch.float16) and wscale > 0 else 1.0
+        # f's and b's gradients as the triton op keeps them (float32 for float16; scaled in float32)
+        df, db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=dev) if n else None
+                  for x, n in ((f, need_f), (b, need_b)))
 
-        def pair_value(k, what, chunk, back):  # a part's per-pair value, in the graph if it needs a gradient
-            if grads[k] is None:
-                return ops.gather(k, chunk, what)
-            return _PairSum.apply(token, ops, k, chunk, back, what)
+        def add_params(gs, alpha=1.0):
+            for k, g in enumerate(gs):
+                if g is not None:
+                    if grad_params[k] is None:
+                        grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
+                    grad_params[k].add_(g, alpha=alpha)
 
-        for chunk in pl.chunks:
+        def run_chunk(chunk, ops, tail, grads):  # the chunk's loss; its gradients added on the way
             n = chunk.n
+
+            def pair_value(k, what, back):  # a part's per-pair value, in the graph if it needs a gradient
+                if grads[k] is None:
+                    return ops.gather(k, chunk, what)
+                return _PairSum.apply(token, ops, k, chunk, back, what)
+
             # The cross-entropy writes each pair's gradient times gs, the accumulators add the
             # chunk's gradients times back: gs * back = wscale, the pair weights' common scale.
             # bfloat16 and wider take the true weights (gs = wscale), as the materialised run
@@ -208,11 +268,11 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
                 first = token.view(()).grad_fn._sequence_nr() if backprop else None
-                xs = [pair_value(k, "sum", chunk, back) if k not in swiglu_parts
-                      else pair_value(k, "swiglu", chunk, back) if fused
-                      else swiglu(pair_value(k, "gate", chunk, back), pair_value(k, "up", chunk, back))
-                      for k in range(n_parts)]
-                logits = (_compiled_tail() if switches.compile_tail else _call_tail)(call.tail, xs)
+                xs = [pair_value(k, "sum", back) if k not in swiglu_parts
+                      else pair_value(k, "swiglu", back) if fused
+                      else swiglu(pair_value(k, "gate", back), pair_value(k, "up", back))
+                      for k in range(len(grads))]
+                logits = (_compiled_tail() if switches.compile_tail else _call_tail)(tail, xs)
                 del xs
             if logits.shape != (n, 2 * vocab_size):
                 raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({n}, {2 * vocab_size}), "
@@ -230,33 +290,56 @@ class _ChunkedLoss(torch.autograd.Function):
             if not z.is_contiguous() or overwrites and (saved.holds(z) or not made_here
                                                          or z.untyped_storage().data_ptr() in param_storages):
                 z = z.clone(memory_format=torch.contiguous_format)
-            loss += ops.cross_entropy_(z, chunk, backprop, gs)
-            if not backprop:
-                continue
-            # The pair sums add into `grads` on the way. allow_unused: a head may hold
-            # parameters its per-pair work does not use.
-            gp = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
-            del logits, z
-            for k, g in enumerate(gp):
-                if g is not None:
-                    if grad_params[k] is None:
-                        grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
-                    grad_params[k].add_(g, alpha=back)
+            chunk_loss = ops.cross_entropy_(z, chunk, backprop, gs)
+            if backprop:
+                # The pair sums add into the window's accumulators on the way. allow_unused: a head
+                # may hold parameters its per-pair work does not use.
+                gp = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
+                del logits, z
+                add_params(gp, back)
+            return chunk_loss
+
+        for ra, rb, chunks in windows:
+            rows = slice(ra, rb + 1)
+            with torch.set_grad_enabled(backprop):
+                fw, bw = f[rows].detach().requires_grad_(need_f), b[rows].detach().requires_grad_(need_b)
+                parts = _parts(call.split, fw, bw, lengths[rows])
+            BLw = (rb + 1 - ra) * L
+            grads = [torch.zeros(2 * BLw, P.shape[-1], dtype=acc, device=dev) if P.requires_grad or Q.requires_grad
+                     else None for P, Q in zip(parts.prefix, parts.suffix)]  # d[P ; Q] per part
+            ops = Ops(parts.prefix, parts.suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight,
+                      pos0=ra * L)
+            for chunk in chunks:
+                loss += run_chunk(chunk, ops, parts.tail, grads)
+            # The window's sums are complete: map them through the parts' graph to f, b and the
+            # split parameters (the head's own backward), then drop the window.
+            outs, gouts = [], []
+            for P, Q, g in zip(parts.prefix, parts.suffix, grads):
+                for t, gt in ((P, None if g is None else g[:BLw]), (Q, None if g is None else g[BLw:])):
+                    if gt is not None and t.requires_grad:
+                        outs.append(t)
+                        gouts.append((gt if unit == 1.0 else gt / unit).view(t.shape).to(t.dtype))
+            del ops, grads
+            if outs:
+                leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
+                got = torch.autograd.grad(outs, leaves + wrt_params, gouts, allow_unused=True)
+                for d, g in zip([d for d in (df, db) if d is not None], got):
+                    if g is not None:
+                        d[rows] += g if unit == 1.0 else g.to(d.dtype) * unit
+                add_params(got[len(leaves):], unit)
+            del parts, outs, gouts
         loss = loss * wscale
         it = iter(grad_params)
-        grad_params = [next(it) if n else None for n in need_params]  # None: not used per pair
-        halves = [(None, None) if g is None else g.split(BL) for g in grads]
-        grad_prefix = [h[0] if n else None for h, n in zip(halves, need[:n_parts])]
-        grad_suffix = [h[1] if n else None for h, n in zip(halves, need[n_parts : 2 * n_parts])]
-        ctx.save_for_backward(*grad_prefix, *grad_suffix, *grad_params)
-        ctx.shapes = [(t.shape, t.dtype) for t in inputs]
+        grad_params = [next(it) if n else None for n in need_params]  # None: not used at all
+        ctx.save_for_backward(df, db, *grad_params)
+        ctx.dtypes = [t.dtype for t in (f, b, *params)]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         no_double_backward("torch")
-        out = [None if g is None else (grad_loss * g).to(dt).reshape(shape)
-               for g, (shape, dt) in zip(ctx.saved_tensors, ctx.shapes)]
+        out = [None if g is None else pair_loss_op.scaled(grad_loss, g).to(dt)
+               for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
         return (None,) + tuple(out)  # none for `call`
 
 
@@ -274,13 +357,6 @@ def _concat_parts(head):
 def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), a chunk of pairs at a time."""
     split = getattr(head, "pair_parts", None) or _concat_parts(head)
-    parts = split(f, b, pairs.lengths)
-    n = len(parts.prefix)
-    for k in parts.swiglu:
-        if not (isinstance(k, int) and 0 <= k < n and parts.prefix[k].shape[-1] % 2 == 0):
-            raise ValueError(f"pair_parts: swiglu must list parts of even width ([gate | up]) among the {n} "
-                             f"parts, got {k!r}")
-    call = _Call(tokens=tokens, pairs=pairs, options=options, tail=parts.tail, dtypes=list(parts.dtypes),
-                 swiglu=tuple(parts.swiglu), n_parts=n, grad_enabled=torch.is_grad_enabled())
+    call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled())
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
-        return _ChunkedLoss.apply(call, *parts.prefix, *parts.suffix, *head.parameters())
+        return _ChunkedLoss.apply(call, f, b, *head.parameters())

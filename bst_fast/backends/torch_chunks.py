@@ -3,7 +3,9 @@
 They do the work around the head's per-pair tail; backends/torch_backend.py runs the chunk loop.
 
 Two engines with one interface, for part k of a chunk (a _pairs.Chunk) and `what` ("sum" the
-part's pair sum, "gate" or "up" one half of a swiglu part's, "swiglu" swiglu of both):
+part's pair sum, "gate" or "up" one half of a swiglu part's, "swiglu" swiglu of both). An engine
+holds the tables of a window of rows, the flat positions from pos0 on (row p - pos0 of a table is
+position p), and their gradient accumulators d[P ; Q] (the window's prefix rows, then its suffix rows):
 
     gather(k, chunk, what) -> x           (n, w) the per-pair value, in the part's dtype
     add_grad(k, chunk, grad, scale, what) adds scale * x's gradient into the part's accumulator
@@ -79,13 +81,13 @@ class TorchOps:
 
     writes_logits_without_grad = True  # the cross-entropy works in place on the logits
 
-    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight):
-        BL = prefix[0].shape[0] * prefix[0].shape[1]
+    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight, pos0: int = 0):
+        BL = prefix[0].shape[0] * prefix[0].shape[1]  # the window's positions
         self.tables = [torch.cat([P.detach().reshape(BL, -1), Q.detach().reshape(BL, -1)]) for P, Q in zip(prefix, suffix)]
         for k in swiglu_parts:  # SwiGLU of the float32 (float64) sums: 16-bit tables are upcast first
             if self.tables[k].dtype != torch.float64:
                 self.tables[k] = self.tables[k].float()
-        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self.dtypes, self.pl, self.grads, self.BL, self.pos0 = dtypes, pl, grads, BL, pos0
         self.tok = tokens.reshape(-1)
         self.lam = torch.tensor([next_weight, 1.0 - next_weight], dtype=pl.w.dtype, device=tokens.device).reshape(1, 2, 1)
         self._rows = (None, None)
@@ -93,7 +95,8 @@ class TorchOps:
     def rows(self, chunk: Chunk):
         if self._rows[0] != chunk.s0:  # one (n, 2) index per chunk, shared by the parts
             s0, n = chunk.s0, chunk.n
-            self._rows = (s0, torch.stack([self.pl.ia[s0 : s0 + n].long(), self.pl.ib[s0 : s0 + n].long() + self.BL], 1))
+            ia, ib = (t[s0 : s0 + n].long() - self.pos0 for t in (self.pl.ia, self.pl.ib))
+            self._rows = (s0, torch.stack([ia, ib + self.BL], 1))
         return self._rows[1]
 
     def _sums(self, k, chunk, what):
@@ -123,9 +126,10 @@ class TorchOps:
     def cross_entropy_(self, z, chunk, need, gscale):
         s0, n = chunk.s0, chunk.n
         rows = self.rows(chunk)
-        y = torch.stack([self.tok[rows[:, 0] + 1], self.tok[rows[:, 1] - self.BL - 1]], 1)  # Next, Prev labels
+        at = rows[:, 0] + self.pos0, rows[:, 1] + (self.pos0 - self.BL)  # the flat positions ia, ib
+        y = torch.stack([self.tok[at[0] + 1], self.tok[at[1] - 1]], 1)  # Next, Prev labels
         if self.pl.meet_token is not None:  # a pair with j - i = 1 takes meet_token as both labels (contract §8)
-            y = y.masked_fill((rows[:, 1] - self.BL - rows[:, 0] == 1)[:, None], self.pl.meet_token)
+            y = y.masked_fill((at[1] - at[0] == 1)[:, None], self.pl.meet_token)
         wl = self.lam if self.pl.w_stride == 0 else self.lam * self.pl.w[s0 : s0 + n].reshape(-1, 1, 1)
         return _cross_entropy_(z.view(n, 2, -1), y, wl, need, gscale)
 
@@ -141,7 +145,7 @@ class TritonOps:
 
     writes_logits_without_grad = False  # without gradients the cross-entropy only reads the logits
 
-    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight):
+    def __init__(self, prefix, suffix, dtypes, swiglu_parts, pl: PairList, grads, tokens, next_weight, pos0: int = 0):
         from ..kernels.activation import NO_ACT, SWIGLU, interpreted_bf16
         from .launch import gather_config
 
@@ -156,7 +160,7 @@ class TritonOps:
                 P, Q = P.contiguous(), Q.contiguous()
             self.P.append(P)
             self.Q.append(Q)
-        self.dtypes, self.pl, self.grads, self.BL = dtypes, pl, grads, BL
+        self.dtypes, self.pl, self.grads, self.BL, self.pos0 = dtypes, pl, grads, BL, pos0
         # launch shapes by what a part's kernels do: its sum, a half (gate or up), or SWIGLU
         self.cfg = []
         for P in self.P:
@@ -175,7 +179,7 @@ class TritonOps:
         if what != "swiglu":
             P, Q = _halves(P, what), _halves(Q, what)
         x = torch.empty(chunk.n, P.shape[1] // (2 if what == "swiglu" else 1), dtype=self.dtypes[k], device=P.device)
-        pair_hidden(P, Q, self.pl, chunk.s0, chunk.n, x, self.act[what], self.cfg[k][what], self.up[k])
+        pair_hidden(P, Q, self.pl, chunk.s0, chunk.n, x, self.act[what], self.cfg[k][what], self.up[k], self.pos0)
         return x
 
     def add_grad(self, k, chunk, grad, scale, what):
@@ -187,7 +191,7 @@ class TritonOps:
         if what != "swiglu":
             P, Q, dPQ = _halves(P, what), _halves(Q, what), _halves(dPQ, what)
         segment_grads(grad.contiguous(), P, Q, self.pl, chunk, dPQ[: self.BL], dPQ[self.BL :], self.act[what], scale,
-                      self.cfg[k][what])
+                      self.cfg[k][what], pos0=self.pos0)
 
     def cross_entropy_(self, z, chunk, need, gscale):
         from ..kernels.activation import interpreted_bf16

@@ -361,14 +361,10 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
 
 
 def window_rows(B: int, L: int, h1: int, need: bool, switches) -> int:
-    """How many rows _FirstLayer's window holds beyond one chunk's: its float32 tables (A, B, and
-    with need dA, dB) in a sixteenth of the chunk budget (16 MB of 256), or a sixteenth of the
-    batch if more, so that a batch takes at most about sixteen windows, each some twenty launches
-    (a list of few pairs a row, whose chunks span many rows, moves it once a chunk instead)."""
-    if switches.window_rows is not None:
-        return switches.window_rows
-    per_row = L * h1 * 4 * (4 if need else 2)
-    return max(1, -(-B // 16), switches.triton_chunk_bytes // 16 // per_row)
+    """_FirstLayer's rows beyond one chunk's (runtime.window_rows): its float32 tables A, B, and with
+    need dA, dB, in a sixteenth of the chunk budget (16 MB of 256), or a sixteenth of the batch if
+    more (a list of few pairs a row, whose chunks span many rows, moves it once a chunk instead)."""
+    return runtime.window_rows(B, L * h1 * 4 * (4 if need else 2), switches.triton_chunk_bytes, switches)
 
 
 pair_loss_op.register("bst_fast::triton_pair_loss", NAME, split=False)
