@@ -1011,6 +1011,35 @@ def test_float16_tiny_pair_weights_keep_their_digits(monkeypatch):
         assert loss_err < 1e-2 and max(grad_errs) < 2e-2, (kind, grad_errs)
 
 
+def test_float16_windows_keep_parameter_gradients_finite():
+    """A window's sums mapped to the split layer's parameters through the head's float16 backward:
+    a first-layer bias gradient of 100 (every pair's) stays 100, not inf. In the units of a position's
+    sum (wscale * L) it was about 740 times larger, past 65504, whatever grad_output (an independent
+    review's case); the materialised float16 run keeps it finite."""
+    torch.manual_seed(0)
+    B, L, m, h, V = 24, 64, 4, 8, 5
+    head = TextHead(m, V, hidden=h, n_layers=2, activation="relu")
+    with torch.no_grad():
+        head.layers[0].weight.mul_(0.1)
+        head.layers[0].bias.fill_(1.0)  # relu' = 1 everywhere
+        head.layers[1].weight.zero_()
+        head.layers[1].bias.zero_()
+        for half in (0, V):  # every pair predicts token 1 while every label is 0: dz1 ~ 100 a pair
+            head.layers[1].weight[half + 1].fill_(5.0)
+            head.layers[1].weight[half].fill_(-95.0)
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    f, b = torch.randn(B, L, m), torch.randn(B, L, m)
+    grads = {}
+    for backend, dtype in (("reference", torch.float64), ("torch", torch.float16)):
+        hh = copy.deepcopy(head).to(dtype)
+        ff, bb = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+        loss = belief_state_loss(ff, bb, tokens, hh, backend=backend)
+        grads[backend] = torch.autograd.grad(loss * 2.0 ** -4, [ff, bb, *hh.parameters()])
+    for got, want in zip(grads["torch"], grads["reference"]):
+        assert torch.isfinite(got).all()
+        assert rel_err(got, want) < 1e-2
+
+
 def _split_linear_by_autograd(linear, f, b, lengths):
     """split_linear as autograd would run it through F.linear of float32 copies (the definition the
     custom backward must equal)."""

@@ -33,9 +33,12 @@ sums d[P ; Q] are then mapped at once through the parts' graph (the head's own b
 and the split parameters, and dropped. (The SwiGLU head's float32 [gate | up] tables and sums are
 16 * 8192 bytes a position at m = 768: 8.7 GB for a batch of 256 rows of 258.) A row that one chunk
 ends in and the next begins in lies in two windows: its parts are made twice (at most one row a
-window more of the split products) and its sums mapped in two pieces, which add. In float16 the sums are mapped in units of wscale * L
-(a power of two), since the head's float16 backward would round a row's sum of tiny pair weights to
-subnormals before grad_output (a loss scale) reached it.
+window more of the split products) and its sums mapped in two pieces, which add. In float16 the
+head's backward rounds what it maps to float16 before grad_output (a loss scale) reaches it, so the
+sums are mapped twice, in units that keep each result near the largest per-pair term: for f and b
+wscale * L (a position's sum has at most L pairs), for the split parameters wscale * the window's
+pairs (tiny pair weights would fall to subnormals in true units, and a window's parameter sums
+past 65504 in the first units).
 
 A chunk holds about the switches' byte budget in the per-pair tensors the backend makes: the parts'
 values and the logits (the head's own intermediates come on top: for the SwiGLU head about twice as
@@ -188,6 +191,24 @@ def _windows(chunks, L: int, rows: int):
     return out
 
 
+def _power_of_two(x: float) -> float:
+    """The power of two nearest x (1 for x <= 0): a scale that multiplies exactly."""
+    return 2.0 ** round(math.log2(x)) if x > 0 else 1.0
+
+
+def _mapped(outs, sums, inputs, unit: float, retain: bool = False):
+    """The gradients of `inputs` for the gradient sums `sums` of the tensors `outs` (a window's
+    parts), the sums divided by `unit` on the way in and the results multiplied back in float32 or
+    wider (None where an input does not reach the outs)."""
+    if not inputs:
+        return []
+    grad_outputs = [(s if unit == 1.0 else s / unit).to(t.dtype) for t, s in zip(outs, sums)]
+    got = torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=True, retain_graph=retain)
+    if unit == 1.0:
+        return list(got)
+    return [None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) * unit for g in got]
+
+
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, f, b, *params):
@@ -231,10 +252,7 @@ class _ChunkedLoss(torch.autograd.Function):
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
         wscale = pl.wscale
-        # A window's sums map to f, b and the split parameters through the head's own backward, in
-        # their dtypes: in float16 a row's sum of tiny pair weights would fall to subnormals there,
-        # so they go in units of wscale * L (a position's sum has at most L pairs), a power of two.
-        unit = 2.0 ** round(math.log2(wscale * L)) if (fp16 or f.dtype == torch.float16) and wscale > 0 else 1.0
+        half = fp16 or f.dtype == torch.float16
         # f's and b's gradients as the triton op keeps them (float32 for float16; scaled in float32)
         df, db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=dev) if n else None
                   for x, n in ((f, need_f), (b, need_b)))
@@ -313,21 +331,27 @@ class _ChunkedLoss(torch.autograd.Function):
                 loss += run_chunk(chunk, ops, parts.tail, grads)
             # The window's sums are complete: map them through the parts' graph to f, b and the
             # split parameters (the head's own backward), then drop the window.
-            outs, gouts = [], []
+            outs, sums = [], []
             for P, Q, g in zip(parts.prefix, parts.suffix, grads):
                 for t, gt in ((P, None if g is None else g[:BLw]), (Q, None if g is None else g[BLw:])):
                     if gt is not None and t.requires_grad:
                         outs.append(t)
-                        gouts.append((gt if unit == 1.0 else gt / unit).view(t.shape).to(t.dtype))
+                        sums.append(gt.view(t.shape))
             del ops, grads
-            if outs:
-                leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
-                got = torch.autograd.grad(outs, leaves + wrt_params, gouts, allow_unused=True)
-                for d, g in zip([d for d in (df, db) if d is not None], got):
-                    if g is not None:
-                        d[rows] += g if unit == 1.0 else g.to(d.dtype) * unit
-                add_params(got[len(leaves):], unit)
-            del parts, outs, gouts
+            leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
+            if not outs:
+                side_got, param_got = [], []
+            elif not half:
+                got = _mapped(outs, sums, leaves + wrt_params, 1.0)
+                side_got, param_got = got[: len(leaves)], got[len(leaves) :]
+            else:  # float16: each result near the largest per-pair term (the module docstring)
+                side_got = _mapped(outs, sums, leaves, _power_of_two(wscale * L), retain=bool(wrt_params))
+                param_got = _mapped(outs, sums, wrt_params, _power_of_two(wscale * sum(c.n for c in chunks)))
+            for d, g in zip([d for d in (df, db) if d is not None], side_got):
+                if g is not None:
+                    d[rows] += g.to(d.dtype)
+            add_params(param_got)
+            del parts, outs, sums
         loss = loss * wscale
         it = iter(grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used at all
