@@ -7,8 +7,9 @@ A head may also say how its work splits into per-token and per-pair parts, for t
 
     pair_parts(f, b, lengths) -> PairParts(prefix, suffix, dtypes, tail, swiglu=())
 
-prefix[k] and suffix[k] are (B, L, w_k) tensors computed once per position (autograd maps their
-gradients back to f, b and the head's parameters). For a pair (r, i, j) the backend forms
+prefix[k] and suffix[k] are (B, L, w_k) tensors computed once per position, from f, b and the head's
+parameters alone (the backend maps their gradients back to those, a window of rows at a time; a part
+that reaches another tensor requiring grad is refused). For a pair (r, i, j) the backend forms
 x_k = prefix[k][r, i] + suffix[k][r, j], summed in float32 (float64 for float64 parts) and rounded
 once to dtypes[k], and tail([x_0, x_1, ...]) (each x_k (n, w_k) for n pairs) returns the (n, 2V)
 logits, equal to head(cat([f_i, b_j])). For k in `swiglu` the part is a [gate | up] table and

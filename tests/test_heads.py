@@ -239,6 +239,84 @@ def test_windows_of_rows_float64(monkeypatch, kind):
     assert max(len(w) for w in made) >= 3
 
 
+def test_windows_drop_what_they_made(monkeypatch):
+    """Nothing a window made (its parts, the engine's gradient sums) is alive while the next window
+    makes its parts: the SwiGLU head, windows of one row (an independent review found the last
+    part's tables and sums kept by a loop variable: 24% of the modelled peak at the paper's shape)."""
+    import weakref
+    switch(monkeypatch, window_rows=1, chunk_pairs=9)
+    f, b, tokens, _ = make_inputs(B=4, L=10, m=5, V=7, seed=2)
+    head = make_swiglu(m=5, V=7, hidden=12, bias=True, seed=2).double()
+    refs, alive = [], []
+    real_parts, real_init = head.pair_parts, torch_chunks.TorchOps.__init__
+
+    def pair_parts(f, b, lengths):
+        if torch.is_grad_enabled():  # a window (the probe of one row runs without grad)
+            alive.append([tuple(r().shape) for r in refs if r() is not None])
+            refs.clear()
+        out = real_parts(f, b, lengths)
+        if torch.is_grad_enabled():
+            refs.extend(weakref.ref(t) for t in (*out.prefix, *out.suffix))
+        return out
+
+    def init(self, prefix, suffix, dtypes, swiglu_parts, pl, grads, *a, **k):
+        real_init(self, prefix, suffix, dtypes, swiglu_parts, pl, grads, *a, **k)
+        refs.extend(weakref.ref(g) for g in grads if g is not None)
+
+    monkeypatch.setattr(head, "pair_parts", pair_parts)
+    monkeypatch.setattr(torch_chunks.TorchOps, "__init__", init)
+    f, b = f.double().requires_grad_(), b.double().requires_grad_()
+    belief_state_loss(f, b, tokens, head, backend="torch").backward()
+    assert len(alive) >= 4 and alive[1:] == [[]] * (len(alive) - 1)
+
+
+class _GainHead(nn.Module):
+    """A head whose pair_parts reads `gain`, a tensor that requires grad but is not its parameter."""
+
+    def __init__(self, gain, m=4, V=5):
+        super().__init__()
+        self.lin, self.m, self.shared = nn.Linear(2 * m, 2 * V), m, [gain]
+
+    def forward(self, x):
+        return self.lin(torch.cat([x[..., : self.m] * self.shared[0], x[..., self.m :]], -1))
+
+    def pair_parts(self, f, b, lengths):
+        w = self.lin.weight
+        P = (f * self.shared[0]) @ w[:, : self.m].t() + self.lin.bias
+        return PairParts([P], [b @ w[:, self.m :].t()], [f.dtype], lambda xs: xs[0])
+
+
+def test_pair_parts_reaching_another_tensor_is_refused():
+    """The torch backend maps the parts' gradients to f, b and the head's parameters alone (head.py),
+    so a part that reads another tensor that requires grad is an error, not a silently lost gradient;
+    detached, it is a constant. autocast's cached casts of the parameters (made by the probe, before
+    the window) still lead to the parameters: a custom head's Linear parts under CPU autocast."""
+    gain = torch.full((4,), 1.5, requires_grad=True)
+    f, b, tokens, _ = make_inputs(B=2, L=9, m=4, V=5, seed=3)
+    with pytest.raises(ValueError, match="pair_parts uses a tensor that requires grad besides f, b"):
+        belief_state_loss(f, b, tokens, _GainHead(gain), backend="torch")
+    check_against_reference(f, b, tokens, _GainHead(gain.detach()), backend="torch", dtype=torch.float64)
+
+    class LinearParts(nn.Module):
+        def __init__(self, m=4, V=5, h=6):
+            super().__init__()
+            self.p, self.q, self.out = nn.Linear(m, h), nn.Linear(m, h, bias=False), nn.Linear(h, 2 * V)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.p(x[..., :4]) + self.q(x[..., 4:])))
+
+        def pair_parts(self, f, b, lengths):
+            P, Q = self.p(f), self.q(b)
+            return PairParts([P], [Q], [P.dtype], lambda xs: self.out(torch.relu(xs[0])))
+
+    head = LinearParts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mat = loss_and_grads(f, b, tokens, copy.deepcopy(head), 1.0, backend="reference")
+        got = loss_and_grads(f, b, tokens, copy.deepcopy(head), 1.0, backend="torch")
+    for name, g in got[1].items():
+        assert g is not None and rel_err(g, mat[1][name]) < 2e-2, name
+
+
 def test_window_rows_rule():
     """A sixteenth of the chunk budget's bytes, or a sixteenth of the batch if more; the switch wins."""
     sw = runtime.Switches()

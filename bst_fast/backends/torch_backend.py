@@ -191,6 +191,28 @@ def _windows(chunks, L: int, rows: int):
     return out
 
 
+def _check_reaches_only(outs, allowed):
+    """Raise if the parts' graph reaches a leaf that requires grad besides `allowed` (a window's f and
+    b, the head's parameters): the backend maps the parts' gradients to those alone, so another's
+    would be silently lost. The walk goes through nodes made before the window too (autocast's
+    cached casts of the parameters; a tensor computed before the loss, down to its own leaves)."""
+    ids = {id(t) for t in allowed}
+    stack = [t.grad_fn if t.grad_fn is not None else t for t in outs]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = node if isinstance(node, torch.Tensor) else getattr(node, "variable", None)  # AccumulateGrad's
+        if leaf is None:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        elif id(leaf) not in ids:
+            raise ValueError(f"pair_parts uses a tensor that requires grad besides f, b and the head's parameters "
+                             f"(a leaf of shape {tuple(leaf.shape)}): the torch backend maps the parts' gradients "
+                             "to those alone; make it a parameter of the head, or detach it")
+
+
 def _power_of_two(x: float) -> float:
     """The power of two nearest x (1 for x <= 0): a scale that multiplies exactly."""
     return 2.0 ** round(math.log2(x)) if x > 0 else 1.0
@@ -317,7 +339,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 add_params(gp, back)
             return chunk_loss
 
-        for ra, rb, chunks in windows:
+        def run_window(ra, rb, chunks, check):  # the window's loss; its locals die with it
             rows = slice(ra, rb + 1)
             with torch.set_grad_enabled(backprop):
                 fw, bw = f[rows].detach().requires_grad_(need_f), b[rows].detach().requires_grad_(need_b)
@@ -327,8 +349,7 @@ class _ChunkedLoss(torch.autograd.Function):
                      else None for P, Q in zip(parts.prefix, parts.suffix)]  # d[P ; Q] per part
             ops = Ops(parts.prefix, parts.suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight,
                       pos0=ra * L)
-            for chunk in chunks:
-                loss += run_chunk(chunk, ops, parts.tail, grads)
+            window_loss = sum(run_chunk(chunk, ops, parts.tail, grads) for chunk in chunks)
             # The window's sums are complete: map them through the parts' graph to f, b and the
             # split parameters (the head's own backward), then drop the window.
             outs, sums = [], []
@@ -337,11 +358,13 @@ class _ChunkedLoss(torch.autograd.Function):
                     if gt is not None and t.requires_grad:
                         outs.append(t)
                         sums.append(gt.view(t.shape))
-            del ops, grads
+            del ops, grads, P, Q, g, t, gt
             leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
             if not outs:
-                side_got, param_got = [], []
-            elif not half:
+                return window_loss
+            if check:
+                _check_reaches_only(outs, [fw, bw, *params])
+            if not half:
                 got = _mapped(outs, sums, leaves + wrt_params, 1.0)
                 side_got, param_got = got[: len(leaves)], got[len(leaves) :]
             else:  # float16: each result near the largest per-pair term (the module docstring)
@@ -351,7 +374,10 @@ class _ChunkedLoss(torch.autograd.Function):
                 if g is not None:
                     d[rows] += g.to(d.dtype)
             add_params(param_got)
-            del parts, outs, sums
+            return window_loss
+
+        for k, (ra, rb, chunks) in enumerate(windows):
+            loss += run_window(ra, rb, chunks, check=k == 0)
         loss = loss * wscale
         it = iter(grad_params)
         grad_params = [next(it) if n else None for n in need_params]  # None: not used at all
