@@ -2,15 +2,16 @@
 against the same count for the materialised objective run against itself with its pairs in reverse
 order (the noise of a per-draw comparison on tensors of a few elements). CPU, bf16.
 
-    python bench/half_precision.py [--draws 80] [--window-rows N] [--out bench/results/half_precision_cpu.md]
+    python bench/half_precision.py [--draws 80] [--window-rows N --chunk-pairs N] [--out bench/results/half_precision_cpu.md]
 
 Two sets of draws:
 - "heads": B=3, L=12, m=6, V=37, TextHead (hidden [9, 6], 3 layers) and the SwiGLU head with a
   LayerNorm in turn, parameters N(0, 0.36); reductions mean and sum, grad_output 1 and 0.7. The
   bound plain, and with §6's one extra rounding (2**-8) on every gradient at 0.7 (the head's
   parameters, f and b: all are mapped before grad_output reaches them).
---window-rows 1 runs the torch backend a window of one row at a time (Switches.window_rows): the
-split layer's parameter gradients are then sums of one rounded piece a window.
+--window-rows 1 --chunk-pairs 7 runs the torch backend a window of one row at a time (Switches.window_rows;
+a window holds at least one chunk's rows): the split layer's parameter gradients are then sums of one
+rounded piece a window, and a row shared by two windows gets two.
 - "tiny": an independent review's TextHeads: B <= 2, L <= 10, m <= 6, hidden <= 8, V <= 11, every
   activation, 2 or 3 layers, next_weight 0, 0.5 or 1, grad_output 1.
 """
@@ -95,10 +96,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=80, help="draws of the heads set (the tiny set takes 150)")
     ap.add_argument("--window-rows", type=int, default=None, help="the torch backend's window of rows (Switches.window_rows)")
+    ap.add_argument("--chunk-pairs", type=int, default=None, help="pairs a chunk (Switches.chunk_pairs)")
     ap.add_argument("--out", default=None, help="also write the tables (markdown) here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    with runtime.switched(window_rows=args.window_rows):
+    with runtime.switched(window_rows=args.window_rows, chunk_pairs=args.chunk_pairs):
         lines = tables(args)
     print("\n".join(lines))
     if args.out:
@@ -108,6 +110,7 @@ def main():
 
 def tables(args):
     window = "" if args.window_rows is None else f", the torch backend in windows of {args.window_rows} row(s)"
+    window += "" if args.chunk_pairs is None else f" and chunks of {args.chunk_pairs} pairs"
     lines = [f"torch {torch.__version__}, bf16 on the CPU{window}; draws breaking the bound (torch backend / the materialised run, pairs reversed)", "",
              f"Heads set, {args.draws} draws per row:", "", "| reduction | grad_output | bound | torch backend | control |",
              "| --- | --- | --- | --- | --- |"]
