@@ -177,13 +177,13 @@ def _parts(split, f, b, lengths) -> PairParts:
 
 def _windows(chunks, L: int, rows: int):
     """The chunks grouped into windows of rows: [(ra, rb, chunks)], each window's chunks reading rows
-    ra..rb, at most `rows` of them unless one chunk reads more. A row that one chunk ends in and the
-    next begins in belongs to both windows: its parts are made twice and its gradient sums mapped
-    in two pieces, which add up."""
+    ra..rb, a window taking every chunk that begins within `rows` rows of its first (so its last
+    chunk may take it past them). A row that one chunk ends in and the next begins in belongs to both
+    windows: its parts are made twice and its gradient sums mapped in two pieces, which add up."""
     out = []
     for c in chunks:
         ra, rb = c.pre_lo // L, (c.pre_hi - 1) // L  # the list is sorted by row: a pair's positions share it
-        if out and rb < out[-1][0] + rows:
+        if out and ra < out[-1][0] + rows:
             out[-1][1] = max(out[-1][1], rb)
             out[-1][2].append(c)
         else:
@@ -269,7 +269,9 @@ class _ChunkedLoss(torch.autograd.Function):
                        structured=switches.structured_sums and Ops is TritonOps)
         # the parts' tables and (backprop) their gradient sums, a window of rows at a time
         per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop else 0))
-        windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, _budget(dev, switches), switches))
+        # (a GPU chunk's budget on any device: the CPU's small one is for its cache, and each small
+        # window costs its shared row's parts again)
+        windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, switches.torch_chunk_bytes, switches))
         loss = torch.zeros((), dtype=acc, device=dev)
         param_storages = {q.untyped_storage().data_ptr() for q in params}
         fp16 = compute == torch.float16
