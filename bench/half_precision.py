@@ -9,11 +9,11 @@ Two sets of draws:
   LayerNorm in turn, parameters N(0, 0.36); reductions mean and sum, grad_output 1 and 0.7. The
   bound plain, and with §6's one extra rounding (2**-8) on every gradient at 0.7 (the head's
   parameters, f and b: all are mapped before grad_output reaches them).
+- "tiny": an independent review's TextHeads: B <= 2, L <= 10, m <= 6, hidden <= 8, V <= 11, every
+  activation, 2 or 3 layers, next_weight 0, 0.5 or 1, grad_output 1.
 --window-rows 1 --chunk-pairs 7 runs the torch backend a window of one row at a time (Switches.window_rows;
 a window holds at least one chunk's rows): the split layer's parameter gradients are then sums of one
 rounded piece a window, and a row shared by two windows gets two.
-- "tiny": an independent review's TextHeads: B <= 2, L <= 10, m <= 6, hidden <= 8, V <= 11, every
-  activation, 2 or 3 layers, next_weight 0, 0.5 or 1, grad_output 1.
 """
 import argparse
 import copy

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bst_fast import ResidualSwiGLUHead, TextHead, belief_state_loss, head as head_module  # noqa: E402
+from bst_fast import belief_state_loss, head as head_module  # noqa: E402
 from bst_fast._pairs import pair_counts, pair_mask  # noqa: E402
 from bst_fast.backends import runtime  # noqa: E402
 
@@ -144,10 +144,7 @@ def model(args) -> dict:
                           dtype=args.dtype, head=args.head), backend=name)
 
     def inputs(device):
-        if args.head == "swiglu":
-            head = ResidualSwiGLUHead(m, V, hidden=args.swiglu_hidden).to(device, dtype)
-        else:
-            head = TextHead(m, V, hidden=args.hidden, n_layers=args.layers, activation="gelu").to(device, dtype)
+        head = bench_pairs.make_head(args.head, args, args.layers, V)[0].to(device, dtype)  # pairs.py's heads
         f = torch.randn(B, L, m, dtype=dtype).to(device).requires_grad_()
         b = torch.randn(B, L, m, dtype=dtype).to(device).requires_grad_()
         tokens = torch.randint(0, V, (B, L)).to(device)

@@ -216,7 +216,9 @@ def split_part_grads(x, dz, w, lengths, need_x: bool, need_w: bool, operand, dx_
     d2 = dz.reshape(-1, dz.shape[-1]).to(operand)
     dx_dtype = x.dtype if dx_dtype is None else dx_dtype
     dx = _zero_padding(mm_f32(d2, w.to(operand)).view(x.shape), lengths).to(dx_dtype) if need_x else None
-    dw = mm_f32(d2.t(), _float_input(x, lengths, operand).reshape(-1, x.shape[-1])) if need_w else None
+    # x^T dz, transposed: the product autograd takes for F.linear's weight, so that a BLAS sums it in
+    # the same order (dz^T x is 1 ulp away on an AMD EPYC)
+    dw = mm_f32(_float_input(x, lengths, operand).reshape(-1, x.shape[-1]).t(), d2).t() if need_w else None
     return dx, dw
 
 

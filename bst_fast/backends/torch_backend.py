@@ -165,7 +165,7 @@ class _Call:
 
 
 def _parts(split, f, b, lengths) -> PairParts:
-    """split(f, b, lengths), its swiglu list checked."""
+    """split(f, b, lengths), its swiglu list checked (once a call: the probe's)."""
     parts = split(f, b, lengths)
     n = len(parts.prefix)
     for k in parts.swiglu:
@@ -345,7 +345,7 @@ class _ChunkedLoss(torch.autograd.Function):
             rows = slice(ra, rb + 1)
             with torch.set_grad_enabled(backprop):
                 fw, bw = f[rows].detach().requires_grad_(need_f), b[rows].detach().requires_grad_(need_b)
-                parts = _parts(call.split, fw, bw, lengths[rows])
+                parts = call.split(fw, bw, lengths[rows])  # the probe checked their swiglu list
             BLw = (rb + 1 - ra) * L
             grads = [torch.zeros(2 * BLw, P.shape[-1], dtype=acc, device=dev) if P.requires_grad or Q.requires_grad
                      else None for P, Q in zip(parts.prefix, parts.suffix)]  # d[P ; Q] per part
@@ -360,7 +360,7 @@ class _ChunkedLoss(torch.autograd.Function):
                     if gt is not None and t.requires_grad:
                         outs.append(t)
                         sums.append(gt.view(t.shape))
-            del ops, grads, P, Q, g, t, gt
+            del ops  # the torch ops' stacked copy of the tables, before the mapping
             leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
             if not outs:
                 return window_loss
