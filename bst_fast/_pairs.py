@@ -1,6 +1,7 @@
 """Pair set, labels, weights and input checks of docs/contract.md §2, §4, §5, §8, §9 and §10: the shared math every backend calls."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -152,7 +153,8 @@ def listed(p: Pairs, L: int) -> Pairs:
 
 class Chunk(NamedTuple):
     """One chunk of a PairList: its slots [s0, s0 + n), the prefix segments [pre_lo, pre_hi) and the
-    suffix segments [suf_lo, suf_hi) they meet (host ints)."""
+    suffix segments [suf_lo, suf_hi) they meet (host ints), and the sum, least and largest of its
+    pairs' weights in wscale's units (host floats: a float16 chunk's gradient scale, half_scale)."""
 
     s0: int
     n: int
@@ -160,6 +162,23 @@ class Chunk(NamedTuple):
     pre_hi: int
     suf_lo: int
     suf_hi: int
+    wsum: float
+    wmin: float
+    wmax: float
+
+    def half_scale(self, summed: bool) -> float:
+        """The power of two by which a float16 chunk's per-pair gradients are scaled (the pair weights
+        being w / wscale): rows of unequal weight (row_mean, §9) are pairs of unequal weight, and in
+        their true units the light ones fall to subnormals, or with the heavy ones on top overflow.
+        summed: the chunk's parameter gradients are float16 sums over its pairs (the torch backend's
+        autograd), so the scale is sqrt(n) / wsum: the sum of the n per-pair terms stays within
+        sqrt(n) times the largest (the weights average 1 / sqrt(n)). Else (each pair's gradient apart,
+        sums taken in float32: the triton backend) 1 / sqrt(wmin * wmax), the lightest and heaviest
+        pairs' terms equally far below and above 1, the heaviest's at most 2**8 (a logit's gradient
+        times the last layer's weights, summed over 2V, stays far below 65504). Equal weights:
+        1 / sqrt(n) and 1."""
+        x = self.n ** 0.5 / self.wsum if summed else min((self.wmin * self.wmax) ** -0.5, 2.0**8 / self.wmax)
+        return 2.0 ** round(math.log2(x)) if math.isfinite(x) and x > 0 else 1.0
 
 
 @dataclass
@@ -237,10 +256,18 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structu
     suf_lo = ib_pad.amin(1)
     suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
     longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
+    # each chunk's weights (in wscale's units): their sum, least and largest
+    if w_stride:
+        w_pad = torch.cat([w.double(), w.new_full((pad,), math.nan, dtype=torch.float64)]).reshape(n_chunks, chunk)
+        weights = [w_pad.nansum(1), w_pad.nan_to_num(math.inf).amin(1), w_pad.nan_to_num(-math.inf).amax(1)]
+    else:
+        weights = [(s1 - s0).double(), torch.ones(n_chunks, dtype=torch.float64, device=dev),
+                   torch.ones(n_chunks, dtype=torch.float64, device=dev)]
     # one transfer, as float64 (the counts are far below 2**53): the chunk table (a row a Chunk),
     # longest, wscale
-    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).reshape(-1).double(),
-                       longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
+    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).double(),
+                       torch.stack(weights, 1)], 1).reshape(-1)
+    table = torch.cat([table, longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
     ia, ib, w, pre_off, suf_off = (to_device(t, target) for t in (ia.to(idx), ib.to(idx), w, pre_off, suf_off))
@@ -252,7 +279,8 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structu
         alo = ia[perm[suf_off[:-1].clamp(max=total - 1)]]
     return PairList(ia=ia, ib=ib, w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
-                    chunks=[Chunk(*map(int, table[k : k + width])) for k in range(0, width * n_chunks, width)],
+                    chunks=[Chunk(*map(int, table[k : k + width - 3]), *table[k + width - 3 : k + width])
+                            for k in range(0, width * n_chunks, width)],
                     search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token, jlo=jlo, alo=alo)
 
 

@@ -1119,6 +1119,52 @@ def test_float16_windows_keep_parameter_gradients_finite():
         assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("window_rows, chunk", [(None, None), (1, 97), (None, 4000)])
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("kind", ["text", "swiglu"])
+def test_float16_row_mean_with_rows_of_unequal_weight(kind, backend, window_rows, chunk, monkeypatch):
+    """row_mean (docs/contract.md §9) over rows of 200 and of 3 positions weighs a pair of the long
+    rows 1/19701 of the short rows' one. float16 keeps both within §6's bound: the chunk's gradient
+    scale and the window's mapping units follow the weights of its pairs (Chunk.half_scale), not
+    only the largest weight, which put the long rows' per-pair terms below float16's subnormals (an
+    independent review: errors of 3-49% on every gradient of the torch backend)."""
+    if backend == "cpp":
+        if kind == "swiglu" or window_rows is not None:
+            pytest.skip("the cpp backend takes a TextHead, and has no windows")
+        pytest.importorskip("bst_fast._C")
+    switch(monkeypatch, window_rows=window_rows, chunk_pairs=chunk)
+    B, L, m, V = 3, 200, 12, 13
+    g = torch.Generator().manual_seed(5)
+    f, b = torch.randn(B, L, m, generator=g).half(), torch.randn(B, L, m, generator=g).half()
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    torch.manual_seed(5)
+    head = (TextHead(m, V, hidden=24) if kind == "text" else ResidualSwiGLUHead(m, V, hidden=16, bias=True)).half()
+    opts = dict(lengths=torch.tensor([L, 3, L - 7]), reduction="row_mean")
+    ref_loss, ref_grads = reference64(f, b, tokens, head, 1.0, **opts)
+    mat_err = errors(*loss_and_grads(f, b, tokens, copy.deepcopy(head), 1.0, backend="reference", **opts),
+                     ref_loss, ref_grads)
+    err = errors(*loss_and_grads(f, b, tokens, copy.deepcopy(head), 1.0, backend=backend, **opts),
+                 ref_loss, ref_grads)
+    for name in err:
+        assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
+
+
+def test_float16_chunk_scale_follows_its_weights():
+    """Chunk.half_scale: a power of two; equal weights give 1/sqrt(n) (summed) and 1; rows of
+    unequal weight put the average (summed) or the geometric middle (not summed) near 1, the
+    heaviest pair's term at most 2**8."""
+    def chunk(n, wsum, wmin, wmax):
+        return _pairs.Chunk(0, n, 0, 1, 0, 1, wsum, wmin, wmax)
+    assert chunk(4096, 4096.0, 1.0, 1.0).half_scale(True) == 2.0**-6
+    assert chunk(4096, 4096.0, 1.0, 1.0).half_scale(False) == 1.0
+    light = chunk(1000, 1000 * 2.0**-10, 2.0**-10, 2.0**-10)  # a chunk of a long row's pairs
+    assert light.half_scale(False) == 2.0**10
+    assert light.half_scale(True) == 2.0 ** round(math.log2(1000**0.5 * 2**10 / 1000))
+    mixed = chunk(1000, 1.0 + 999 * 2.0**-20, 2.0**-20, 1.0)  # one heavy pair among light ones
+    assert mixed.half_scale(False) == 2.0**8  # sqrt(2**20) = 2**10, capped
+    assert mixed.half_scale(True) == 2.0 ** round(math.log2(1000**0.5 / (1.0 + 999 * 2.0**-20)))
+
+
 def _split_linear_by_autograd(linear, f, b, lengths):
     """split_linear as autograd would run it through F.linear of float32 copies (the definition the
     custom backward must equal)."""

@@ -173,6 +173,18 @@ def test_float16_tiny_weights(chunk_pairs):
     assert loss_err < 1e-2 and max(grad_errs) < 2e-2, grad_errs
 
 
+@pytest.mark.parametrize("chunk", [None, 150])
+def test_float16_row_mean_with_rows_of_unequal_weight(chunk_pairs, chunk):
+    """row_mean (docs/contract.md §9) over rows of 40 and of 3 positions: a long row's pair weighs
+    1/741 of a short row's. Each float16 chunk scales its per-pair gradients by a power of two that
+    centres its weights on 1 (Chunk.half_scale: 2**5 for a chunk that holds the short row, 2**10 and
+    2**9 for chunks of one long row alone with 150), and every float32 sum is multiplied back: a
+    sum left in the chunk's units was 32 times too large."""
+    chunk_pairs(chunk)
+    f, b, tokens, head = _inputs(3, 40, 6, 13, seed=13)
+    _check(f, b, tokens, head, dtype=torch.float16, lengths=torch.tensor([40, 3, 37]), reduction="row_mean")
+
+
 def test_subsampled_pairs(chunk_pairs):
     pytest.importorskip("bst_fast._C")  # the sampler is the C++ extension's
     chunk_pairs(6)
@@ -349,10 +361,24 @@ def test_pair_list_schedule():
     n = pl.ia.numel()
     assert [c[0] for c in pl.chunks] == list(range(0, n, 5)) and sum(c[1] for c in pl.chunks) == n
     assert torch.equal(pl.ib[pl.perm.long()], pl.ib.sort(stable=True).values)
-    for s0, k, pre_lo, pre_hi, suf_lo, suf_hi in pl.chunks:
+    for s0, k, pre_lo, pre_hi, suf_lo, suf_hi, wsum, wmin, wmax in pl.chunks:
         assert pre_lo <= pl.ia[s0].item() and pl.ia[s0 + k - 1].item() < pre_hi
         assert suf_lo == pl.ib[s0 : s0 + k].min().item() and suf_hi == pl.ib[s0 : s0 + k].max().item() + 1
+        assert (wsum, wmin, wmax) == (k, 1.0, 1.0)  # one weight for every pair
     assert 2 ** pl.search_steps > (pl.suf_off[1:] - pl.suf_off[:-1]).max()
+    # row_mean: each chunk's sum, least and largest pair weight, in wscale's units
+    p = _pairs.prepare(f, b, tokens, 5, lengths=lengths, prefix_start=0, min_gap=2, max_gap=None, pairs=None,
+                       next_weight=0.5, reduction="row_mean", generator=None)
+    pl = triton_backend.pair_list(p, 3, 9, chunk=7)
+    rows = pl.ia.long() // 9
+    w = (1.0 / torch.bincount(rows).double())[rows]  # 1 / (|P_r| B) over the largest, 1 / (min |P_r| B)
+    w = w / w.max()
+    for c in pl.chunks:
+        part = w[c.s0 : c.s0 + c.n]
+        assert c.wsum == pytest.approx(part.sum().item(), rel=1e-6)
+        assert (c.wmin, c.wmax) == pytest.approx((part.min().item(), part.max().item()), rel=1e-6)
+    # rows of 28, 3 and 15 pairs: chunks of row 0 alone, one holding row 1 and row 2, then row 2's
+    assert [x for c in pl.chunks for x in (c.wmin, c.wmax)] == pytest.approx([3 / 28] * 8 + [1 / 5, 1.0] + [1 / 5] * 4)
 
 
 @pytest.mark.parametrize("V,pad,n,rows,one,sums,meet,per_pair,dtype", [

@@ -35,10 +35,12 @@ and the split parameters, and dropped. (The SwiGLU head's float32 [gate | up] ta
 ends in and the next begins in lies in two windows: its parts are made twice (at most one row a
 window more of the split products) and its sums mapped in two pieces, which add. In float16 the
 head's backward rounds what it maps to float16 before grad_output (a loss scale) reaches it, so the
-sums are mapped twice, in units that keep each result near the largest per-pair term: for f and b
-wscale * L (a position's sum has at most L pairs), for the split parameters wscale * the window's
-pairs (tiny pair weights would fall to subnormals in true units, and a window's parameter sums
-past 65504 in the first units).
+sums are mapped twice, in units that keep each result near 1: for the split parameters the
+window's total pair weight (their gradients are then weighted means of per-pair terms), for f and
+b L times the weights' geometric mean of largest (wscale) and average (a position's sum has at
+most L pairs: with equal weights wscale * L; with rows of unequal weight, row_mean's, the heavy
+rows' and the light rows' sums equally far above and below 1). Tiny pair weights would fall to
+subnormals in true units, and a window's parameter sums past 65504 in the side's units.
 
 A chunk holds about the switches' byte budget in the per-pair tensors the backend makes: the parts'
 values and the logits (the head's own intermediates come on top: for the SwiGLU head about twice as
@@ -301,11 +303,13 @@ class _ChunkedLoss(torch.autograd.Function):
             # bfloat16 and wider take the true weights (gs = wscale), as the materialised run
             # does: a 16-bit parameter gradient is then rounded once per chunk, not again after a
             # rescaling. float16 would underflow (1/|P| per pair): its parameter gradients are sums
-            # over the chunk's pairs of O(1) per-pair terms (the weights are normalised), scaled
-            # by 1/sqrt(n) they neither overflow 65504 nor fall to subnormals. Terms far above
-            # O(1) (head activations in the hundreds at n ~ 30k pairs) still overflow where the
-            # materialised run, scaled by 1/|P|, does not: smaller chunks or bf16 avoid it.
-            gs, back = (n ** -0.5, wscale * n ** 0.5) if fp16 else (wscale, 1.0)
+            # over the chunk's pairs of O(1) per-pair terms, scaled so that the weights average
+            # 1/sqrt(n) (Chunk.half_scale; rows of unequal weight included) they neither overflow
+            # 65504 nor fall to subnormals. Terms far above O(1) (head activations in the hundreds
+            # at n ~ 30k pairs) still overflow where the materialised run, scaled by 1/|P|, does
+            # not: smaller chunks or bf16 avoid it.
+            gs = chunk.half_scale(summed=True) if fp16 else wscale
+            back = wscale / gs
             saved = _SavedStorages()
             with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
@@ -369,9 +373,11 @@ class _ChunkedLoss(torch.autograd.Function):
             if not half:
                 got = _mapped(outs, sums, leaves + wrt_params, 1.0)
                 side_got, param_got = got[: len(leaves)], got[len(leaves) :]
-            else:  # float16: each result near the largest per-pair term (the module docstring)
-                side_got = _mapped(outs, sums, leaves, _power_of_two(wscale * L), retain=bool(wrt_params))
-                param_got = _mapped(outs, sums, wrt_params, _power_of_two(wscale * sum(c.n for c in chunks)))
+            else:  # float16: units that keep each result near 1 (the module docstring)
+                n, wsum = sum(c.n for c in chunks), sum(c.wsum for c in chunks)
+                side_got = _mapped(outs, sums, leaves, _power_of_two(wscale * L * (wsum / n) ** 0.5),
+                                   retain=bool(wrt_params))
+                param_got = _mapped(outs, sums, wrt_params, _power_of_two(wscale * wsum))
             for d, g in zip([d for d in (df, db) if d is not None], side_got):
                 if g is not None:
                     d[rows] += g.to(d.dtype)

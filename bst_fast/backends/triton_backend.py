@@ -225,6 +225,11 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
                      for g, w in zip(hidden_cfg, weights[:-1])] if need and runtime.SWITCHES.hidden_sums else None)
     for chunk in pl.chunks:
         s0, n = chunk.s0, chunk.n
+        # float16: the chunk's per-pair gradients scaled by a power of two that centres its pair
+        # weights on 1 (rows of unequal weight, row_mean's: the light ones' would fall to subnormals
+        # in wscale's units), every float32 sum of them multiplied back by `back`
+        gs = chunk.half_scale(summed=False) if dtype == torch.float16 else 1.0
+        back = 1.0 / gs
         first.cover(chunk.pre_lo // L, (chunk.pre_hi - 1) // L)  # the rows of the chunk's pairs
         pos0 = first.r0 * L  # the window's first flat position
         H = ones[0][:n, :h1] if ones else torch.empty(n, h1, dtype=dtype, device=dev)
@@ -242,11 +247,11 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
             Hs.append(H)
         if fused:  # the gradient of the logits, which are never stored without need
             Z = torch.empty(n, width_L, dtype=dtype, device=dev) if need else None
-            chunk_loss, last_dc = pair_logits_cross_entropy_(Hs[-1], weights[-1], biases[-1], Z, tok, pl, s0, lam, 1.0, need,
+            chunk_loss, last_dc = pair_logits_cross_entropy_(Hs[-1], weights[-1], biases[-1], Z, tok, pl, s0, lam, gs, need,
                                                              loss_rows, dc_part, cfg, up, V)
         else:
             Z = torch.addmm(biases[-1], Hs[-1], weights[-1].t())  # (n, 2V) logits, then their gradient
-            chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, 1.0, need, loss_rows, cfg, up, V, dc_part)
+            chunk_loss, last_dc = pair_cross_entropy_(Z, tok, pl, s0, lam, gs, need, loss_rows, cfg, up, V, dc_part)
         loss += chunk_loss
         if not need:
             del H, Z, Zs, Hs
@@ -266,17 +271,17 @@ def _loss_by_chunks(f, b, lengths, tokens, pl: PairList, weights, biases, act_na
             if ones and made is None:
                 width = Hs[k].shape[1]
                 g = mm_f32(dH.t(), ones[k][:n])
-                dW[k] += g[:, :width]
-                dc[k] += g[:, width]
+                dW[k].add_(g[:, :width], alpha=back)
+                dc[k].add_(g[:, width], alpha=back)
             else:
-                dc[k] += dH.sum(0, dtype=torch.float32) if made is None else made.sum(0)
-                dW[k] += mm_f32(dH.t(), Hs[k])
+                dc[k].add_(dH.sum(0, dtype=torch.float32) if made is None else made.sum(0), alpha=back)
+                dW[k].add_(mm_f32(dH.t(), Hs[k]), alpha=back)
             Hs[k] = None  # the layer's input, and below its pre-activation, are spent
             if k < len(Zs):
                 Zs[k] = None
             dH = dH @ weights[k]
         del Zs, Hs
-        segment_grads(dH, first.A, first.B, pl, chunk, first.dA, first.dB, act_id, 1.0, cfg, pos0=pos0)
+        segment_grads(dH, first.A, first.B, pl, chunk, first.dA, first.dB, act_id, back, cfg, pos0=pos0)
         del dH
     # every pair weight was divided by wscale (so that fp16 gradients do not underflow): multiply
     # back (the first layer's sums as their rows are mapped)
