@@ -177,8 +177,12 @@ class Chunk(NamedTuple):
         pairs' terms equally far below and above 1, the heaviest's at most 2**8 (a logit's gradient
         times the last layer's weights, summed over 2V, stays far below 65504). Equal weights:
         1 / sqrt(n) and 1."""
-        x = self.n ** 0.5 / self.wsum if summed else min((self.wmin * self.wmax) ** -0.5, 2.0**8 / self.wmax)
-        return 2.0 ** round(math.log2(x)) if math.isfinite(x) and x > 0 else 1.0
+        if self.wmax <= 0:  # no weight at all: nothing to scale
+            return 1.0
+        x = self.n ** 0.5 / self.wsum if summed else 2.0**8 / self.wmax
+        if not summed and self.wmin > 0:
+            x = min(x, (self.wmin * self.wmax) ** -0.5)
+        return 2.0 ** round(math.log2(x))
 
 
 @dataclass
@@ -256,32 +260,33 @@ def pair_list(p: Pairs, B: int, L: int, chunk: int, dtype=torch.float32, structu
     suf_lo = ib_pad.amin(1)
     suf_hi = torch.cat([ib, ib.new_full((pad,), -1)]).reshape(n_chunks, chunk).amax(1) + 1
     longest = (suf_off[1:] - suf_off[:-1]).max()  # explicit pairs may repeat: can exceed L
-    # each chunk's weights (in wscale's units): their sum, least and largest
-    if w_stride:
-        w_pad = torch.cat([w.double(), w.new_full((pad,), math.nan, dtype=torch.float64)]).reshape(n_chunks, chunk)
-        weights = [w_pad.nansum(1), w_pad.nan_to_num(math.inf).amin(1), w_pad.nan_to_num(-math.inf).amax(1)]
-    else:
-        weights = [(s1 - s0).double(), torch.ones(n_chunks, dtype=torch.float64, device=dev),
-                   torch.ones(n_chunks, dtype=torch.float64, device=dev)]
+    columns = [s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi]
+    if w_stride:  # each chunk's weights (in wscale's units): their sum, least and largest
+        w_pad = torch.cat([w.double(), w.new_zeros(pad, dtype=torch.float64)]).reshape(n_chunks, chunk)
+        last = w_pad[-1:, : chunk - pad].amin(1)  # the padded slots of the last chunk are left out below
+        columns += [w_pad.sum(1), torch.cat([w_pad[:-1].amin(1), last]), w_pad.amax(1)]
     # one transfer, as float64 (the counts are far below 2**53): the chunk table (a row a Chunk),
     # longest, wscale
-    table = torch.cat([torch.stack([s0, s1 - s0, pre_lo, pre_hi, suf_lo, suf_hi], 1).double(),
-                       torch.stack(weights, 1)], 1).reshape(-1)
-    table = torch.cat([table, longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
+    table = torch.cat([torch.stack([c.double() for c in columns], 1).reshape(-1),
+                       longest.reshape(1).double(), wscale.double().reshape(1)]).cpu().tolist()
     # int32 indices where they fit (half the bytes); int64 past 2**31 pairs or positions
     idx = torch.int32 if max(total, BL) < 2**31 else torch.int64
     ia, ib, w, pre_off, suf_off = (to_device(t, target) for t in (ia.to(idx), ib.to(idx), w, pre_off, suf_off))
     perm = torch.sort(ib.long() * BL + ia, stable=True).indices  # on the target: the host's costliest sort
-    width = len(Chunk._fields)
+    width = len(columns)
     jlo = alo = None
     if structured and p.row is None and total:
         jlo = ib[pre_off[:-1].clamp(max=total - 1)]
         alo = ia[perm[suf_off[:-1].clamp(max=total - 1)]]
     return PairList(ia=ia, ib=ib, w=w, w_stride=w_stride, wscale=table[-1],
                     perm=perm.to(idx), pre_off=pre_off, suf_off=suf_off,
-                    chunks=[Chunk(*map(int, table[k : k + width - 3]), *table[k + width - 3 : k + width])
-                            for k in range(0, width * n_chunks, width)],
+                    chunks=[_chunk(table[k : k + width]) for k in range(0, width * n_chunks, width)],
                     search_steps=int(table[-2]).bit_length(), meet_token=p.meet_token, jlo=jlo, alo=alo)
+
+
+def _chunk(row) -> Chunk:
+    """A Chunk from its row of pair_list's table: one weight for all pairs leaves the weights out."""
+    return Chunk(*map(int, row[:6]), *(row[6:] if len(row) > 6 else (float(row[1]), 1.0, 1.0)))
 
 
 def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
