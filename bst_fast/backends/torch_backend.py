@@ -40,7 +40,9 @@ window's total pair weight (their gradients are then weighted means of per-pair 
 b L times the weights' geometric mean of largest (wscale) and average (a position's sum has at
 most L pairs: with equal weights wscale * L; with rows of unequal weight, row_mean's, the heavy
 rows' and the light rows' sums equally far above and below 1). Tiny pair weights would fall to
-subnormals in true units, and a window's parameter sums past 65504 in the side's units.
+subnormals in true units, and a window's parameter sums past 65504 in the side's units. Where the
+largest result still lies below 2**-4 (terms of random sign average out) or overflowed, the window
+is mapped again in units read from it (_mapped_float16: one synchronisation a window).
 
 A chunk holds about the switches' byte budget in the per-pair tensors the backend makes: the parts'
 values and the logits (the head's own intermediates come on top: for the SwiGLU head about twice as
@@ -226,11 +228,37 @@ def _mapped(outs, sums, inputs, unit: float, retain: bool = False):
     wider (None where an input does not reach the outs)."""
     if not inputs:
         return []
-    grad_outputs = [(s if unit == 1.0 else s / unit).to(t.dtype) for t, s in zip(outs, sums)]
-    got = torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=True, retain_graph=retain)
+    got = _grad_in_units(outs, sums, inputs, unit, retain)
+    return _times(got, unit)
+
+
+def _times(got, unit: float):
     if unit == 1.0:
         return list(got)
     return [None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) * unit for g in got]
+
+
+def _grad_in_units(outs, sums, inputs, unit: float, retain: bool):
+    grad_outputs = [(s if unit == 1.0 else s / unit).to(t.dtype) for t, s in zip(outs, sums)]
+    return torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=True, retain_graph=retain)
+
+
+def _mapped_float16(outs, sums, inputs, unit: float, retain: bool = False):
+    """_mapped for float16 inputs, whose gradients the head's backward rounds to float16 in `unit`'s
+    units: where the largest result lies below 2**-4 (terms of random sign averaging out, so that
+    the results' smaller elements near float16's subnormals, 2**-14, lose digits) the sums are
+    mapped again in units that put it at 2**8; where it overflowed (or is nan), in units 2**16
+    larger. One read of the results' peak (a synchronisation), in float16 only."""
+    if not inputs:
+        return []
+    got = _grad_in_units(outs, sums, inputs, unit, retain=True)  # the graph dies with the window
+    peaks = [g.abs().amax() for g in got if g is not None and g.numel()]
+    peak = float(torch.stack(peaks).max()) if peaks else 0.0
+    if peak == 0.0 or 2.0**-4 <= peak < math.inf:
+        return _times(got, unit)
+    del got
+    unit = unit * (_power_of_two(peak) * 2.0**-8 if math.isfinite(peak) else 2.0**16)
+    return _times(_grad_in_units(outs, sums, inputs, unit, retain), unit)
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -375,9 +403,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 side_got, param_got = got[: len(leaves)], got[len(leaves) :]
             else:  # float16: units that keep each result near 1 (the module docstring)
                 n, wsum = sum(c.n for c in chunks), sum(c.wsum for c in chunks)
-                side_got = _mapped(outs, sums, leaves, _power_of_two(wscale * L * (wsum / n) ** 0.5),
-                                   retain=bool(wrt_params))
-                param_got = _mapped(outs, sums, wrt_params, _power_of_two(wscale * wsum))
+                side_got = _mapped_float16(outs, sums, leaves, _power_of_two(wscale * L * (wsum / n) ** 0.5),
+                                           retain=bool(wrt_params))
+                param_got = _mapped_float16(outs, sums, wrt_params, _power_of_two(wscale * wsum))
             for d, g in zip([d for d in (df, db) if d is not None], side_got):
                 if g is not None:
                     d[rows] += g.to(d.dtype)
