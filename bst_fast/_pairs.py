@@ -172,16 +172,17 @@ class Chunk(NamedTuple):
         their true units the light ones fall to subnormals, or with the heavy ones on top overflow.
         summed: the chunk's parameter gradients are float16 sums over its pairs (the torch backend's
         autograd), so the scale is sqrt(n) / wsum, the weights averaging 1 / sqrt(n) (a sum of the
-        n per-pair terms within sqrt(n) times the largest), but at most 1 / wmax: the heaviest
-        pair's term no larger than in wscale's units (one pair of a short row among n light ones
-        was sqrt(n) times that alone, and overflowed a review's head at activations of 220). Else
+        n per-pair terms within sqrt(n) times the largest), but at most 2**4 / wmax: the heaviest
+        pair's term at most 16 times its size in wscale's units (one pair of a short row among n
+        light ones was sqrt(n) times that alone, and overflowed a review's head at activations of
+        220; a cap of 1 put the light rows' terms among the subnormals under a loss scale). Else
         (each pair's gradient apart, sums taken in float32: the triton backend) 1 / sqrt(wmin *
         wmax), the lightest and heaviest pairs' terms equally far below and above 1, the heaviest's
         at most 2**8 (a logit's gradient times the last layer's weights, summed over 2V, stays far
         below 65504). Equal weights: 1 / sqrt(n) and 1."""
         if self.wmax <= 0:  # no weight at all: nothing to scale
             return 1.0
-        x = min(self.n ** 0.5 / self.wsum, 1.0 / self.wmax) if summed else 2.0**8 / self.wmax
+        x = min(self.n ** 0.5 / self.wsum, 2.0**4 / self.wmax) if summed else 2.0**8 / self.wmax
         if not summed and self.wmin > 0:
             x = min(x, (self.wmin * self.wmax) ** -0.5)
         return 2.0 ** round(math.log2(x))

@@ -1153,7 +1153,7 @@ def test_float16_row_mean_heavy_pair_among_light_ones_stays_finite(monkeypatch):
     """A row of 3 positions (one pair, weight 1 in wscale's units) in one float16 chunk of 65536
     pairs with a row of 600 (179101 pairs, 2**-17.5 each), activations of a few hundred: scaled
     for the chunk's average weight, sqrt(n) / wsum = 2**8, the heavy pair's own term overflowed the
-    output layer's weight gradient (an independent review); capped at 1 / wmax it is finite and
+    output layer's weight gradient (an independent review); capped at 2**4 / wmax it is finite and
     within docs/contract.md §6's bound, as the materialised float16 run is."""
     switch(monkeypatch, chunk_pairs=65536)
     B, L, m, V = 2, 600, 16, 50
@@ -1198,8 +1198,8 @@ def test_float16_split_parameters_keep_their_digits():
 def test_float16_chunk_scale_follows_its_weights():
     """Chunk.half_scale: a power of two; equal weights give 1/sqrt(n) (summed) and 1; rows of
     unequal weight put the average (summed) or the geometric middle (not summed) near 1, the
-    heaviest pair's term at most 1 (summed: one heavy pair among light ones had sqrt(n) times its
-    term, and a review's head overflowed) or 2**8."""
+    heaviest pair's term at most 2**4 (summed: one heavy pair among light ones had sqrt(n) times
+    its term, and a review's head overflowed) or 2**8."""
     def chunk(n, wsum, wmin, wmax):
         return _pairs.Chunk(0, n, 0, 1, 0, 1, wsum, wmin, wmax)
     assert chunk(4096, 4096.0, 1.0, 1.0).half_scale(True) == 2.0**-6
@@ -1209,7 +1209,7 @@ def test_float16_chunk_scale_follows_its_weights():
     assert light.half_scale(True) == 2.0 ** round(math.log2(1000**0.5 * 2**10 / 1000))
     mixed = chunk(1000, 1.0 + 999 * 2.0**-20, 2.0**-20, 1.0)  # one heavy pair among light ones
     assert mixed.half_scale(False) == 2.0**8  # sqrt(2**20) = 2**10, capped
-    assert mixed.half_scale(True) == 1.0  # sqrt(1000) / 1.001 = 2**5, capped: the heavy pair's term alone
+    assert mixed.half_scale(True) == 2.0**4  # sqrt(1000) / 1.001 = 2**5, capped at 2**4 / wmax
 
 
 def _split_linear_by_autograd(linear, f, b, lengths):

@@ -247,14 +247,14 @@ def _mapped_float16(outs, sums, inputs, unit: float, retain: bool = False):
     """_mapped for float16 inputs, whose gradients the head's backward rounds to float16 in `unit`'s
     units: where the largest result lies below 2**-4 (terms of random sign averaging out, so that
     the results' smaller elements near float16's subnormals, 2**-14, lose digits) the sums are
-    mapped again in units that put it at 2**8; where it overflowed (or is nan), in units 2**16
-    larger. One read of the results' peak (a synchronisation), in float16 only."""
+    mapped again in units that put it at 2**8; where it overflowed, in units 2**16 larger (not
+    for a nan, which larger units would not mend, and which cost the finite rows their digits). One read of the results' peak (a synchronisation), in float16 only."""
     if not inputs:
         return []
     got = _grad_in_units(outs, sums, inputs, unit, retain=True)  # the graph dies with the window
     peaks = [g.abs().amax() for g in got if g is not None and g.numel()]
     peak = float(torch.stack(peaks).max()) if peaks else 0.0
-    if peak == 0.0 or 2.0**-4 <= peak < math.inf:
+    if peak == 0.0 or 2.0**-4 <= peak < math.inf or math.isnan(peak):  # nan: no units would help
         return _times(got, unit)
     del got
     unit = unit * (_power_of_two(peak) * 2.0**-8 if math.isfinite(peak) else 2.0**16)
