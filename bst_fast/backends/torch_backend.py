@@ -222,35 +222,29 @@ def _power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x)) if x > 0 else 1.0
 
 
-def _mapped(outs, sums, inputs, unit: float, retain: bool = False):
-    """The gradients of `inputs` for the gradient sums `sums` of the tensors `outs` (a window's
-    parts), the sums divided by `unit` on the way in and the results multiplied back in float32 or
-    wider (None where an input does not reach the outs)."""
-    if not inputs:
-        return []
-    got = _grad_in_units(outs, sums, inputs, unit, retain)
-    return _times(got, unit)
-
-
 def _times(got, unit: float):
+    """Gradients mapped in `unit`'s units back in true units, in float32 or wider."""
     if unit == 1.0:
         return list(got)
     return [None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) * unit for g in got]
 
 
 def _grad_in_units(outs, sums, inputs, unit: float, retain: bool):
+    """The gradients of `inputs` for the gradient sums `sums` of the tensors `outs` (a window's
+    parts), the sums divided by `unit` on the way in (None where an input does not reach the outs)."""
+    if not inputs:
+        return []
     grad_outputs = [(s if unit == 1.0 else s / unit).to(t.dtype) for t, s in zip(outs, sums)]
     return torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=True, retain_graph=retain)
 
 
 def _mapped_float16(outs, sums, inputs, unit: float, retain: bool = False):
-    """_mapped for float16 inputs, whose gradients the head's backward rounds to float16 in `unit`'s
-    units: where the largest result lies below 2**-4 (terms of random sign averaging out, so that
-    the results' smaller elements near float16's subnormals, 2**-14, lose digits) the sums are
-    mapped again in units that put it at 2**8; where it overflowed, in units 2**16 larger (not
-    for a nan, which larger units would not mend, and which cost the finite rows their digits). One read of the results' peak (a synchronisation), in float16 only."""
-    if not inputs:
-        return []
+    """The gradients of float16 `inputs` (in true units, float32), which the head's backward rounds
+    to float16 in `unit`'s units: where the largest result lies below 2**-4 (terms of random sign
+    averaging out, so that the smaller elements near float16's subnormals, 2**-14, lose digits)
+    the sums are mapped again in units that put it at 2**8; where it overflowed, in units 2**16
+    larger (not for a nan, which larger units would not mend, and which cost the finite rows their
+    digits). One read of the results' peak (a synchronisation), in float16 only."""
     got = _grad_in_units(outs, sums, inputs, unit, retain=True)  # the graph dies with the window
     peaks = [g.abs().amax() for g in got if g is not None and g.numel()]
     peak = float(torch.stack(peaks).max()) if peaks else 0.0
@@ -399,7 +393,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if check:
                 _check_reaches_only(outs, [fw, bw, *params])
             if not half:
-                got = _mapped(outs, sums, leaves + wrt_params, 1.0)
+                got = _grad_in_units(outs, sums, leaves + wrt_params, 1.0, retain=False)
                 side_got, param_got = got[: len(leaves)], got[len(leaves) :]
             else:  # float16: units that keep each result near 1 (the module docstring)
                 n, wsum = sum(c.n for c in chunks), sum(c.wsum for c in chunks)
