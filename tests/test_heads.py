@@ -1212,6 +1212,136 @@ def test_float16_chunk_scale_follows_its_weights():
     assert mixed.half_scale(True) == 2.0**4  # sqrt(1000) / 1.001 = 2**5, capped at 2**4 / wmax
 
 
+
+def _within_float16_bound(f, b, tokens, head, go, **opts):
+    """The torch backend's float16 loss and gradients within docs/contract.md §6's bound (2x the
+    materialised float16 run's error + 1e-3; one rounding more on the parameters, 2**-11, where go
+    is not a power of two)."""
+    ref_loss, ref_grads = reference64(f, b, tokens, head, go, **opts)
+    mat_err = errors(*loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="reference", **opts),
+                     ref_loss, ref_grads)
+    err = errors(*loss_and_grads(f, b, tokens, copy.deepcopy(head), go, backend="torch", **opts), ref_loss, ref_grads)
+    for name in err:
+        extra = 2.0**-11 if math.log2(abs(go)) % 1 and name not in ("loss", "f", "b") else 0.0
+        assert err[name] <= 2 * mat_err[name] + 1e-3 + extra, (name, err[name], mat_err[name])
+
+
+@pytest.mark.parametrize("mul", [2.0**-12, 2.0**-16, 2.0**-20])
+def test_float16_loss_scale_reaches_the_chunks(mul):
+    """A float16 head's per-pair gradients under a GradScaler's loss scale of 65536, with a last layer
+    of tiny weights: the chunks' gradients are computed in the backward, at the scale the
+    materialised run's per-pair gradients have (grad_output times the pair weights). Computed in
+    the forward, before the loss scale was known, the first layer's and f's and b's gradients fell
+    to float16's subnormals (errors of 2%, 25% and 100% against bounds near 2e-3); and at 2**-20
+    the mapped first-layer gradients fell to zero in their units (mapped again 2**24 smaller)."""
+    g = torch.Generator().manual_seed(16)
+    B, L, m, V = 2, 40, 8, 13
+    f, b = torch.randn(B, L, m, generator=g).half(), torch.randn(B, L, m, generator=g).half()
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    torch.manual_seed(16)
+    head = TextHead(m, V, hidden=16).half()
+    with torch.no_grad():
+        head.layers[-1].weight.mul_(mul)
+    _within_float16_bound(f, b, tokens, head, 65536.0, lengths=torch.tensor([L, L]), reduction="mean")
+
+
+@pytest.mark.parametrize("go", [1.0, 0.7])
+def test_float16_sum_keeps_the_materialised_scale(go):
+    """reduction="sum" weighs every pair 1, so the materialised float16 run's per-pair gradients are
+    O(1): a chunk scaled down to 1 / sqrt(n) (Chunk.half_scale) put the SwiGLU head's per-pair
+    gradients, behind a LayerNorm of large inputs (f and b 16 times larger), among the subnormals:
+    gate_up's gradients had errors of 0.4-0.6% against a bound of 0.16%. The larger scale wins."""
+    g = torch.Generator().manual_seed(14)
+    B, L, m, V = 3, 60, 12, 13
+    f, b = (torch.randn(B, L, m, generator=g) * 16).half(), (torch.randn(B, L, m, generator=g) * 16).half()
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    torch.manual_seed(14)
+    head = ResidualSwiGLUHead(m, V, hidden=16, bias=True).half()
+    _within_float16_bound(f, b, tokens, head, go, lengths=torch.tensor([L, 3, 50]), reduction="sum")
+
+
+
+def test_float16_overflowing_chunks_run_again_smaller():
+    """First-layer activations in the thousands (f and b 2048 times larger) under reduction="mean":
+    scaled for 1/sqrt(n) a pair (Chunk.half_scale), the last layer's weight gradient over a chunk of
+    3081 pairs overflowed float16 (an independent review's case, at 1024) where the materialised
+    run, at 1/|P| a pair, is finite; the window runs again at scales 2**8 times smaller and is
+    finite and within the bound."""
+    g = torch.Generator().manual_seed(8)
+    B, L, m, V = 1, 80, 10, 30
+    f, b = ((torch.randn(B, L, m, generator=g) * 2048).half() for _ in range(2))
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = TextHead(m, V, hidden=14)
+    with torch.no_grad():
+        for q in head.parameters():
+            q.copy_(torch.randn(q.shape, generator=g))
+        head.layers[-1].weight.mul_(2.0**-10)
+    head = head.half()
+    loss, grads = loss_and_grads(f, b, tokens, copy.deepcopy(head), 1.0, backend="torch")
+    assert all(torch.isfinite(x).all() for x in grads.values())
+    _within_float16_bound(f, b, tokens, head, 1.0)
+
+class _MaskedHead(nn.Module):
+    """A head whose per-pair work draws from the global RNG (a dropout of rows, drawn in float32 so
+    that float16 and float32 copies draw the same mask) and records whether autocast was on."""
+
+    def __init__(self, m, V, h=12):
+        super().__init__()
+        self.inp, self.out, self.autocast = nn.Linear(2 * m, h), nn.Linear(h, 2 * V), []
+
+    def forward(self, x):
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        keep = (torch.rand(x.shape[0], 1) < 0.5).to(x.dtype)
+        return self.out(torch.tanh(self.inp(x)) * keep)
+
+
+def test_float16_backward_replays_the_forward(monkeypatch):
+    """The float16 gradients are computed in the backward (at grad_output's scale): from the RNG
+    state the forward started with, so that a head's random draws are the forward's (the gradients
+    of the masks that made the loss, against a float32 run of the same draws, where fresh draws
+    give errors of order 1), without moving the caller's RNG; and under the forward's autocast
+    (a float32 head under float16 autocast, its backward called outside it)."""
+    switch(monkeypatch, chunk_pairs=50)
+    g = torch.Generator().manual_seed(3)
+    B, L, m, V = 2, 20, 6, 7
+    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = _MaskedHead(m, V)
+    runs = {}
+    for dtype in (torch.float32, torch.float16):
+        hh = copy.deepcopy(head).to(dtype)
+        torch.manual_seed(7)
+        loss, grads = loss_and_grads(f.to(dtype), b.to(dtype), tokens, hh, 1.0, backend="torch")
+        runs[dtype] = loss, grads
+    assert rel_err(runs[torch.float16][0], runs[torch.float32][0]) < 1e-2
+    for name, g32 in runs[torch.float32][1].items():
+        assert rel_err(runs[torch.float16][1][name], g32) < 2e-2, name
+    # the caller's RNG: where the forward left it
+    ff, bb = f.half().requires_grad_(), b.half().requires_grad_()
+    hh = copy.deepcopy(head).half()
+    loss = belief_state_loss(ff, bb, tokens, hh, backend="torch")
+    state = torch.get_rng_state()
+    loss.backward()
+    assert torch.equal(torch.get_rng_state(), state)
+    # autocast: the forward's, in the backward too
+    hh = copy.deepcopy(head)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = belief_state_loss(f.requires_grad_(), b, tokens, hh, backend="torch")
+    forward_calls = len(hh.autocast)
+    loss.backward()
+    assert len(hh.autocast) > forward_calls and all(hh.autocast), hh.autocast
+
+
+def test_float16_pair_parts_reaching_another_tensor_is_refused_in_the_forward():
+    """float16 computes its gradients in the backward, but a part that reads another tensor that
+    requires grad is still refused where the loss is made (the first window's parts are built with
+    their graph to check it)."""
+    gain = torch.full((4,), 1.5, dtype=torch.float16, requires_grad=True)
+    f, b, tokens, _ = make_inputs(B=2, L=9, m=4, V=5, seed=3, dtype=torch.float16)
+    head = _GainHead(gain).half()
+    with pytest.raises(ValueError, match="pair_parts uses a tensor that requires grad besides f, b"):
+        belief_state_loss(f.requires_grad_(), b, tokens, head, backend="torch")
+
 def _split_linear_by_autograd(linear, f, b, lengths):
     """split_linear as autograd would run it through F.linear of float32 copies (the definition the
     custom backward must equal)."""

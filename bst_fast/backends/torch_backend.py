@@ -54,7 +54,10 @@ split weights included, and the backward only scales them by grad_output (f's an
 pair_loss_op.side_grad_dtype's dtype, as the triton op keeps them). The cross-entropy's gradient
 carries the true pair weights, except in fp16, where they are divided by the largest one and the
 chunk scaled (see the chunk loop) against underflow and overflow, both multiplied back in the
-float32 accumulators.
+float32 accumulators. fp16 computes its gradients in the backward instead, where grad_output (a
+GradScaler's loss scale) is known and sets the chunks' scale: the forward computes the loss alone,
+and the backward runs it again with its gradients, from the forward's RNG state and under its
+autocast (_ChunkedLoss; the loss's forward work once more, in fp16 only).
 """
 from __future__ import annotations
 
@@ -238,188 +241,261 @@ def _grad_in_units(outs, sums, inputs, unit: float, retain: bool):
     return torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=True, retain_graph=retain)
 
 
-def _mapped_float16(outs, sums, inputs, unit: float, retain: bool = False):
+def _mapped_float16(outs, sums, inputs, unit: float):
     """The gradients of float16 `inputs` (in true units, float32), which the head's backward rounds
-    to float16 in `unit`'s units: where the largest result lies below 2**-4 (terms of random sign
-    averaging out, so that the smaller elements near float16's subnormals, 2**-14, lose digits)
-    the sums are mapped again in units that put it at 2**8; where it overflowed, in units 2**16
-    larger (not for a nan, which larger units would not mend, and which cost the finite rows their
-    digits). One read of the results' peak (a synchronisation), in float16 only."""
-    got = _grad_in_units(outs, sums, inputs, unit, retain=True)  # the graph dies with the window
-    peaks = [g.abs().amax() for g in got if g is not None and g.numel()]
-    peak = float(torch.stack(peaks).max()) if peaks else 0.0
-    if peak == 0.0 or 2.0**-4 <= peak < math.inf or math.isnan(peak):  # nan: no units would help
-        return _times(got, unit)
-    del got
-    unit = unit * (_power_of_two(peak) * 2.0**-8 if math.isfinite(peak) else 2.0**16)
-    return _times(_grad_in_units(outs, sums, inputs, unit, retain), unit)
+    to float16 in `unit`'s units. Where the largest result lies below 2**-4 (terms of random sign
+    averaging out, so that the smaller elements near float16's subnormals, 2**-14, lose digits) the
+    sums are mapped again in units that put it at 2**8; where every result fell to zero from sums
+    that are not all zero (a last layer of tiny weights), in units 2**24 smaller; where it
+    overflowed, in units 2**16 larger (not for a nan, which larger units would not mend, and which
+    cost the finite rows their digits). At most three mappings, each with one read of the results'
+    peak (a synchronisation), in float16 only."""
+    for attempt in range(3):
+        got = _grad_in_units(outs, sums, inputs, unit, retain=True)  # the graph dies with the window
+        peaks = [g.abs().amax().float() for g in got if g is not None and g.numel()]
+        if not peaks:
+            break
+        peak, sums_peak = torch.stack([torch.stack(peaks).max(), torch.stack([s.abs().amax() for s in sums]).max()]).tolist()
+        if 2.0**-4 <= peak < math.inf or math.isnan(peak) or peak == 0.0 == sums_peak or attempt == 2:
+            break
+        del got
+        unit *= 2.0**-24 if peak == 0.0 else _power_of_two(peak) * 2.0**-8 if math.isfinite(peak) else 2.0**16
+    return _times(got, unit)
+
+
+def _loss_scale(chunk, wscale: float, go: float, lower: float = 1.0):
+    """A float16 chunk's gradient scale (see the chunk loop): Chunk.half_scale's times `lower`, or
+    the scale the materialised run's per-pair gradients have, grad_output times the pair weights
+    (a GradScaler's loss scale), if larger."""
+    gs = chunk.half_scale(summed=True) * lower
+    mat = abs(go) * wscale
+    return max(gs, mat) if mat < math.inf else gs
+
+
+def _finite(tensors) -> bool:
+    """Whether every element of the tensors (None: none) is finite: one synchronisation."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def _compute(call: _Call, f, b, params, need, go=None):
+    """(loss, [df, db, *parameter gradients], deferred): the loss and the gradients of the inputs
+    `need` names (f, b, params; None where not needed), in true units. float16 (the head's compute
+    dtype) defers its gradients to the backward unless grad_output `go` is given (a float): the
+    loss alone is computed then, and `deferred` is True (the chunk loop says why)."""
+    tokens, switches, vocab_size = call.tokens, call.options.switches, call.options.vocab_size
+    dev = tokens.device
+    Bn, L = tokens.shape
+    lengths = call.pairs.lengths
+    need_f, need_b, need_params = need[0], need[1], need[2:]
+    with torch.no_grad():  # the parts' widths and dtypes, from one row
+        probe = _parts(call.split, f[:1], b[:1], lengths[:1])
+    dtypes, swiglu_parts = list(probe.dtypes), tuple(probe.swiglu)
+    widths = [P.shape[-1] for P in probe.prefix]
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in probe.prefix + probe.suffix) else torch.float32
+    table_bytes = sum(P.shape[-1] * (P.dtype.itemsize + Q.dtype.itemsize) for P, Q in zip(probe.prefix, probe.suffix))
+    del probe
+
+    # the dtype of the head's matrix products: autocast's, else the parameters'
+    compute = params[0].dtype if params else dtypes[0]
+    if torch.is_autocast_enabled(dev.type) and compute != torch.float64:
+        compute = torch.get_autocast_dtype(dev.type)
+    fp16 = compute == torch.float16
+    deferred = fp16 and go is None and any(need)
+    check_only = deferred  # the first window's parts are still checked (_check_reaches_only)
+    if deferred:  # the loss alone now; the gradients in the backward, at grad_output's scale
+        need_f = need_b = False
+        need_params = [False] * len(need_params)
+    wrt_params = [q for q, n in zip(params, need_params) if n]
+    grad_params = [None] * len(wrt_params)  # created at the first chunk or window that reaches them
+    token = torch.zeros((), device=dev, requires_grad=True)
+    backprop = need_f or need_b or bool(wrt_params)
+    es = compute.itemsize
+    # a swiglu part makes one half-width tensor fused, the gate and up sums (and swiglu's) apart
+    fused = switches.fused_swiglu
+    per_pair = 2 * vocab_size * es + sum(w * d.itemsize // (2 if k in swiglu_parts and fused else 1)
+                                         for k, (w, d) in enumerate(zip(widths, dtypes)))
+    Ops = engine(dev, acc, switches.triton_ops)
+    # the structured walk is the Triton engine's (its segment kernels); the torch ops take none
+    pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
+                   structured=switches.structured_sums and Ops is TritonOps)
+    # the parts' tables and (backprop) their gradient sums, a window of rows at a time
+    per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop else 0))
+    # (a GPU chunk's budget on any device: the CPU's small one is for its cache, and each small
+    # window costs its shared row's parts again)
+    windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, switches.torch_chunk_bytes, switches))
+    loss = torch.zeros((), dtype=acc, device=dev)
+    param_storages = {q.untyped_storage().data_ptr() for q in params}
+    wscale = pl.wscale
+    half = fp16 or f.dtype == torch.float16
+    # f's and b's gradients as the triton op keeps them (float32 for float16; scaled in float32)
+    df, db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=dev) if n else None
+              for x, n in ((f, need_f), (b, need_b)))
+
+    def add_params(into, gs, alpha=1.0):
+        for k, g in enumerate(gs):
+            if g is not None:
+                if into[k] is None:
+                    into[k] = torch.zeros(g.shape, dtype=acc, device=dev)
+                into[k].add_(g, alpha=alpha)
+
+    def run_chunk(chunk, ops, tail, grads, into, lower):  # the chunk's loss; its gradients added on the way
+        n = chunk.n
+
+        def pair_value(k, what, back):  # a part's per-pair value, in the graph if it needs a gradient
+            if grads[k] is None:
+                return ops.gather(k, chunk, what)
+            return _PairSum.apply(token, ops, k, chunk, back, what)
+
+        # The cross-entropy writes each pair's gradient times gs, the accumulators add the
+        # chunk's gradients times back: gs * back = wscale, the pair weights' common scale.
+        # bfloat16 and wider take the true weights (gs = wscale), as the materialised run
+        # does: a 16-bit parameter gradient is then rounded once per chunk, not again after a
+        # rescaling. float16 would underflow (1/|P| per pair): its parameter gradients are sums
+        # over the chunk's pairs of O(1) per-pair terms, scaled so that the weights average
+        # 1/sqrt(n) (Chunk.half_scale; rows of unequal weight included) they neither overflow
+        # 65504 nor fall to subnormals; or, if larger, the materialised run's per-pair scale,
+        # |grad_output| times the weights (in the backward, _loss_scale), so that a loss scale
+        # protects the per-pair float16 gradients as it does the materialised run's. Terms far
+        # above O(1) (head activations in the hundreds at n ~ 30k pairs) overflow where the
+        # materialised run, scaled by 1/|P|, does not: their window runs again (run_window).
+        gs = _loss_scale(chunk, wscale, go or 0.0, lower) if fp16 else wscale
+        back = wscale / gs
+        saved = _SavedStorages()
+        with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
+            first = token.view(()).grad_fn._sequence_nr() if backprop else None
+            xs = [pair_value(k, "sum", back) if k not in swiglu_parts
+                  else pair_value(k, "swiglu", back) if fused
+                  else swiglu(pair_value(k, "gate", back), pair_value(k, "up", back))
+                  for k in range(len(grads))]
+            logits = (_compiled_tail() if switches.compile_tail else _call_tail)(tail, xs)
+            del xs
+        if logits.shape != (n, 2 * vocab_size):
+            raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({n}, {2 * vocab_size}), "
+                             f"got {tuple(logits.shape)}")
+        z = logits.detach()
+        # z becomes its own gradient in place: not where a backward node reads it, nor in a
+        # parameter's storage, nor in a view of a tensor made outside this chunk's graph (a
+        # head may return a slice or an expand of a parameter, a buffer or an earlier result).
+        # A view of a tensor the chunk computed (ResidualSwiGLUHead's flatten of lm_head's
+        # output) is overwritten.
+        base = logits._base
+        made_here = base is None or (first is not None and base.grad_fn is not None
+                                     and base.grad_fn._sequence_nr() > first)
+        overwrites = backprop or ops.writes_logits_without_grad
+        if not z.is_contiguous() or overwrites and (saved.holds(z) or not made_here
+                                                     or z.untyped_storage().data_ptr() in param_storages):
+            z = z.clone(memory_format=torch.contiguous_format)
+        chunk_loss = ops.cross_entropy_(z, chunk, backprop, gs)
+        if backprop:
+            # The pair sums add into the window's accumulators on the way. allow_unused: a head
+            # may hold parameters its per-pair work does not use.
+            gp = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
+            del logits, z
+            add_params(into, gp, back)
+        return chunk_loss
+
+    def run_window(ra, rb, chunks, check):  # the window's loss; its locals die with it
+        rows = slice(ra, rb + 1)
+        graph = check and check_only  # the deferred float16 forward builds the first window's graph to check it
+        # float16's gradients (the backward): a window whose chunks overflowed at a scale above the
+        # materialised run's runs again at scales 2**8 times smaller (_loss_scale's `lower`; at most
+        # twice): its parameter gradients are added apart until then (one read of their
+        # finiteness, a synchronisation a window)
+        retry = fp16 and go is not None and backprop
+        lower = 1.0
+        for attempt in range(3):
+            with torch.set_grad_enabled(backprop or graph):
+                fw = f[rows].detach().requires_grad_(need_f or graph and need[0])
+                bw = b[rows].detach().requires_grad_(need_b or graph and need[1])
+                parts = call.split(fw, bw, lengths[rows])  # the probe checked their swiglu list
+            if graph:
+                _check_reaches_only([t for t in parts.prefix + parts.suffix if t.requires_grad], [fw, bw, *params])
+            BLw = (rb + 1 - ra) * L
+            grads = [torch.zeros(2 * BLw, P.shape[-1], dtype=acc, device=dev)
+                     if backprop and (P.requires_grad or Q.requires_grad) else None
+                     for P, Q in zip(parts.prefix, parts.suffix)]  # d[P ; Q] per part
+            ops = Ops(parts.prefix, parts.suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight,
+                      pos0=ra * L)
+            into = [None] * len(wrt_params) if retry else grad_params
+            window_loss = sum(run_chunk(chunk, ops, parts.tail, grads, into, lower) for chunk in chunks)
+            lowest = max(_loss_scale(c, wscale, go or 0.0, lower) for c in chunks) <= abs(go or 0.0) * wscale
+            if not retry or attempt == 2 or lowest or _finite([*into, *grads]):
+                break
+            del parts, grads, ops, into
+            lower *= 2.0**-8
+        if into is not grad_params:
+            add_params(grad_params, into)
+        # The window's sums are complete: map them through the parts' graph to f, b and the
+        # split parameters (the head's own backward), then drop the window.
+        outs, sums = [], []
+        for P, Q, g in zip(parts.prefix, parts.suffix, grads):
+            for t, gt in ((P, None if g is None else g[:BLw]), (Q, None if g is None else g[BLw:])):
+                if gt is not None and t.requires_grad:
+                    outs.append(t)
+                    sums.append(gt.view(t.shape))
+        del ops  # the torch ops' stacked copy of the tables, before the mapping
+        leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
+        if not outs:
+            return window_loss
+        if check:
+            _check_reaches_only(outs, [fw, bw, *params])
+        if not half:
+            got = _grad_in_units(outs, sums, leaves + wrt_params, 1.0, retain=False)
+            side_got, param_got = got[: len(leaves)], got[len(leaves) :]
+        else:  # float16: units that keep each result near 1 (the module docstring)
+            n, wsum = sum(c.n for c in chunks), sum(c.wsum for c in chunks)
+            side_got = _mapped_float16(outs, sums, leaves, _power_of_two(wscale * L * (wsum / n) ** 0.5))
+            param_got = _mapped_float16(outs, sums, wrt_params, _power_of_two(wscale * wsum))
+        for d, g in zip([d for d in (df, db) if d is not None], side_got):
+            if g is not None:
+                d[rows] += g.to(d.dtype)
+        add_params(grad_params, param_got)
+        return window_loss
+
+    for k, (ra, rb, chunks) in enumerate(windows):
+        loss += run_window(ra, rb, chunks, check=k == 0)
+    loss = loss * wscale
+    it = iter(grad_params)
+    grad_params = [next(it) if n else None for n in need_params]  # None: not used at all
+    return loss, [df, db, *grad_params], deferred
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, f, b, *params):
-        tokens, switches, vocab_size = call.tokens, call.options.switches, call.options.vocab_size
-        dev = tokens.device
-        Bn, L = tokens.shape
-        lengths = call.pairs.lengths
         # needs_input_grad ignores grad mode (inside forward it is always off): the caller's
         # grad_enabled decides whether any gradient is computed at all.
         need = [call.grad_enabled and n for n in ctx.needs_input_grad[1:]]  # after `call`: f, b, params
-        need_f, need_b, need_params = need[0], need[1], need[2:]
-        wrt_params = [q for q, n in zip(params, need_params) if n]
-        grad_params = [None] * len(wrt_params)  # created at the first chunk or window that reaches them
-        token = torch.zeros((), device=dev, requires_grad=True)
-        backprop = need_f or need_b or bool(wrt_params)
-        with torch.no_grad():  # the parts' widths and dtypes, from one row
-            probe = _parts(call.split, f[:1], b[:1], lengths[:1])
-        dtypes, swiglu_parts = list(probe.dtypes), tuple(probe.swiglu)
-        widths = [P.shape[-1] for P in probe.prefix]
-        acc = torch.float64 if any(t.dtype == torch.float64 for t in probe.prefix + probe.suffix) else torch.float32
-        table_bytes = sum(P.shape[-1] * (P.dtype.itemsize + Q.dtype.itemsize) for P, Q in zip(probe.prefix, probe.suffix))
-        del probe
-
-        # the dtype of the head's matrix products: autocast's, else the parameters'
-        compute = params[0].dtype if params else dtypes[0]
-        if torch.is_autocast_enabled(dev.type) and compute != torch.float64:
-            compute = torch.get_autocast_dtype(dev.type)
-        es = compute.itemsize
-        # a swiglu part makes one half-width tensor fused, the gate and up sums (and swiglu's) apart
-        fused = switches.fused_swiglu
-        per_pair = 2 * vocab_size * es + sum(w * d.itemsize // (2 if k in swiglu_parts and fused else 1)
-                                             for k, (w, d) in enumerate(zip(widths, dtypes)))
-        Ops = engine(dev, acc, switches.triton_ops)
-        # the structured walk is the Triton engine's (its segment kernels); the torch ops take none
-        pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
-                       structured=switches.structured_sums and Ops is TritonOps)
-        # the parts' tables and (backprop) their gradient sums, a window of rows at a time
-        per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop else 0))
-        # (a GPU chunk's budget on any device: the CPU's small one is for its cache, and each small
-        # window costs its shared row's parts again)
-        windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, switches.torch_chunk_bytes, switches))
-        loss = torch.zeros((), dtype=acc, device=dev)
-        param_storages = {q.untyped_storage().data_ptr() for q in params}
-        fp16 = compute == torch.float16
-        wscale = pl.wscale
-        half = fp16 or f.dtype == torch.float16
-        # f's and b's gradients as the triton op keeps them (float32 for float16; scaled in float32)
-        df, db = (torch.zeros(x.shape, dtype=pair_loss_op.side_grad_dtype(x.dtype), device=dev) if n else None
-                  for x, n in ((f, need_f), (b, need_b)))
-
-        def add_params(gs, alpha=1.0):
-            for k, g in enumerate(gs):
-                if g is not None:
-                    if grad_params[k] is None:
-                        grad_params[k] = torch.zeros(g.shape, dtype=acc, device=dev)
-                    grad_params[k].add_(g, alpha=alpha)
-
-        def run_chunk(chunk, ops, tail, grads):  # the chunk's loss; its gradients added on the way
-            n = chunk.n
-
-            def pair_value(k, what, back):  # a part's per-pair value, in the graph if it needs a gradient
-                if grads[k] is None:
-                    return ops.gather(k, chunk, what)
-                return _PairSum.apply(token, ops, k, chunk, back, what)
-
-            # The cross-entropy writes each pair's gradient times gs, the accumulators add the
-            # chunk's gradients times back: gs * back = wscale, the pair weights' common scale.
-            # bfloat16 and wider take the true weights (gs = wscale), as the materialised run
-            # does: a 16-bit parameter gradient is then rounded once per chunk, not again after a
-            # rescaling. float16 would underflow (1/|P| per pair): its parameter gradients are sums
-            # over the chunk's pairs of O(1) per-pair terms, scaled so that the weights average
-            # 1/sqrt(n) (Chunk.half_scale; rows of unequal weight included) they neither overflow
-            # 65504 nor fall to subnormals. Terms far above O(1) (head activations in the hundreds
-            # at n ~ 30k pairs) still overflow where the materialised run, scaled by 1/|P|, does
-            # not: smaller chunks or bf16 avoid it.
-            gs = chunk.half_scale(summed=True) if fp16 else wscale
-            back = wscale / gs
-            saved = _SavedStorages()
-            with torch.set_grad_enabled(backprop), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                # autograd numbers the nodes it makes in order: nodes after this one are the chunk's
-                first = token.view(()).grad_fn._sequence_nr() if backprop else None
-                xs = [pair_value(k, "sum", back) if k not in swiglu_parts
-                      else pair_value(k, "swiglu", back) if fused
-                      else swiglu(pair_value(k, "gate", back), pair_value(k, "up", back))
-                      for k in range(len(grads))]
-                logits = (_compiled_tail() if switches.compile_tail else _call_tail)(tail, xs)
-                del xs
-            if logits.shape != (n, 2 * vocab_size):
-                raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({n}, {2 * vocab_size}), "
-                                 f"got {tuple(logits.shape)}")
-            z = logits.detach()
-            # z becomes its own gradient in place: not where a backward node reads it, nor in a
-            # parameter's storage, nor in a view of a tensor made outside this chunk's graph (a
-            # head may return a slice or an expand of a parameter, a buffer or an earlier result).
-            # A view of a tensor the chunk computed (ResidualSwiGLUHead's flatten of lm_head's
-            # output) is overwritten.
-            base = logits._base
-            made_here = base is None or (first is not None and base.grad_fn is not None
-                                         and base.grad_fn._sequence_nr() > first)
-            overwrites = backprop or ops.writes_logits_without_grad
-            if not z.is_contiguous() or overwrites and (saved.holds(z) or not made_here
-                                                         or z.untyped_storage().data_ptr() in param_storages):
-                z = z.clone(memory_format=torch.contiguous_format)
-            chunk_loss = ops.cross_entropy_(z, chunk, backprop, gs)
-            if backprop:
-                # The pair sums add into the window's accumulators on the way. allow_unused: a head
-                # may hold parameters its per-pair work does not use.
-                gp = torch.autograd.grad(logits, [token] + wrt_params, grad_outputs=z, allow_unused=True)[1:]
-                del logits, z
-                add_params(gp, back)
-            return chunk_loss
-
-        def run_window(ra, rb, chunks, check):  # the window's loss; its locals die with it
-            rows = slice(ra, rb + 1)
-            with torch.set_grad_enabled(backprop):
-                fw, bw = f[rows].detach().requires_grad_(need_f), b[rows].detach().requires_grad_(need_b)
-                parts = call.split(fw, bw, lengths[rows])  # the probe checked their swiglu list
-            BLw = (rb + 1 - ra) * L
-            grads = [torch.zeros(2 * BLw, P.shape[-1], dtype=acc, device=dev) if P.requires_grad or Q.requires_grad
-                     else None for P, Q in zip(parts.prefix, parts.suffix)]  # d[P ; Q] per part
-            ops = Ops(parts.prefix, parts.suffix, dtypes, swiglu_parts, pl, grads, tokens, call.options.next_weight,
-                      pos0=ra * L)
-            window_loss = sum(run_chunk(chunk, ops, parts.tail, grads) for chunk in chunks)
-            # The window's sums are complete: map them through the parts' graph to f, b and the
-            # split parameters (the head's own backward), then drop the window.
-            outs, sums = [], []
-            for P, Q, g in zip(parts.prefix, parts.suffix, grads):
-                for t, gt in ((P, None if g is None else g[:BLw]), (Q, None if g is None else g[BLw:])):
-                    if gt is not None and t.requires_grad:
-                        outs.append(t)
-                        sums.append(gt.view(t.shape))
-            del ops  # the torch ops' stacked copy of the tables, before the mapping
-            leaves = [x for x, n in ((fw, need_f), (bw, need_b)) if n]
-            if not outs:
-                return window_loss
-            if check:
-                _check_reaches_only(outs, [fw, bw, *params])
-            if not half:
-                got = _grad_in_units(outs, sums, leaves + wrt_params, 1.0, retain=False)
-                side_got, param_got = got[: len(leaves)], got[len(leaves) :]
-            else:  # float16: units that keep each result near 1 (the module docstring)
-                n, wsum = sum(c.n for c in chunks), sum(c.wsum for c in chunks)
-                side_got = _mapped_float16(outs, sums, leaves, _power_of_two(wscale * L * (wsum / n) ** 0.5),
-                                           retain=bool(wrt_params))
-                param_got = _mapped_float16(outs, sums, wrt_params, _power_of_two(wscale * wsum))
-            for d, g in zip([d for d in (df, db) if d is not None], side_got):
-                if g is not None:
-                    d[rows] += g.to(d.dtype)
-            add_params(param_got)
-            return window_loss
-
-        for k, (ra, rb, chunks) in enumerate(windows):
-            loss += run_window(ra, rb, chunks, check=k == 0)
-        loss = loss * wscale
-        it = iter(grad_params)
-        grad_params = [next(it) if n else None for n in need_params]  # None: not used at all
-        ctx.save_for_backward(df, db, *grad_params)
+        dev = call.tokens.device
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        loss, grads, ctx.deferred = _compute(call, f, b, params, need)
         ctx.dtypes = [t.dtype for t in (f, b, *params)]
+        if ctx.deferred:  # float16: the same computation again in the backward, as the forward ran it
+            ctx.call, ctx.need, ctx.rng = call, need, rng
+            ctx.autocast = torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)
+            ctx.save_for_backward(f, b, *params)
+        else:
+            ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         no_double_backward("torch")
+        grads = ctx.saved_tensors
+        if ctx.deferred:
+            f, b, *params = grads
+            dev = ctx.call.tokens.device
+            with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
+                    torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                torch.set_rng_state(ctx.rng[0])  # a head's dropout draws what the forward drew
+                if ctx.rng[1] is not None:
+                    torch.cuda.set_rng_state(ctx.rng[1], dev)
+                # (one read of grad_output: the chunks' scale)
+                grads = _compute(ctx.call, f, b, params, ctx.need, go=float(grad_loss))[1]
         out = [None if g is None else pair_loss_op.scaled(grad_loss, g).to(dt)
-               for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
+               for g, dt in zip(grads, ctx.dtypes)]
         return (None,) + tuple(out)  # none for `call`
 
 
