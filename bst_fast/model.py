@@ -111,7 +111,12 @@ class Block(nn.Module):
             if x.device.type == "cpu" and torch.is_grad_enabled() and x.requires_grad:
                 raise ValueError("model.attention 'flex' trains on a CUDA GPU only (torch's flex_attention has "
                                  "no backward on the CPU): use 'sdpa' there")
-            y = _flex_attention()(q, k, v, block_mask=mask)
+            # the mask covers whole blocks (document_mask): q, k and v padded to its length, the
+            # padded queries' rows dropped; the real queries never see the padded keys (k <= q)
+            pad = mask.seq_lengths[0] - T
+            if pad:
+                q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            y = _flex_attention()(q, k, v, block_mask=mask)[:, :, :T]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                dropout_p=self.dropout if self.training else 0.0)
@@ -171,14 +176,23 @@ def document_mask(documents, attention: str = "sdpa"):
     if attention == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
+        # Made for a whole number of blocks (Block.attend pads q, k and v to it): torch 2.13's
+        # compiled CPU flex_attention read past a partial last block (T = 40: errors of order 1 and
+        # NaNs, varying run to run), as torch has done on the GPU before. A padded position takes
+        # the row's last document id; padded queries' rows are dropped.
+        blocks = -(-T // _FLEX_BLOCK)
+        padded = torch.cat([documents, documents[:, -1:].expand(B, blocks * _FLEX_BLOCK - T)], 1)
+
         def within(b, h, q, k):
-            return (k <= q) & (documents[b, q] == documents[b, k])
-        return create_block_mask(within, B, None, T, T, device=documents.device)
+            return (k <= q) & (padded[b, q] == padded[b, k])
+        return create_block_mask(within, B, None, blocks * _FLEX_BLOCK, blocks * _FLEX_BLOCK,
+                                 device=documents.device, BLOCK_SIZE=_FLEX_BLOCK)
     t = torch.arange(T, device=documents.device)
     return ((t[None, :] <= t[:, None])[None] & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
 _FLEX = []
+_FLEX_BLOCK = 128  # flex_attention's default block (create_block_mask's BLOCK_SIZE)
 
 
 def _flex_attention():

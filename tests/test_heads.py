@@ -296,6 +296,12 @@ def test_pair_parts_reaching_another_tensor_is_refused():
     f, b, tokens, _ = make_inputs(B=2, L=9, m=4, V=5, seed=3)
     with pytest.raises(ValueError, match="pair_parts uses a tensor that requires grad besides f, b"):
         belief_state_loss(f, b, tokens, _GainHead(gain), backend="torch")
+    # nothing else requires grad (a frozen head): the loss would carry no gradient to gain at all
+    frozen = _GainHead(gain).requires_grad_(False)
+    with pytest.raises(ValueError, match="pair_parts uses a tensor that requires grad besides f, b"):
+        belief_state_loss(f, b, tokens, frozen, backend="torch")
+    with torch.no_grad():  # no gradient asked for: nothing is lost
+        belief_state_loss(f, b, tokens, frozen, backend="torch")
     check_against_reference(f, b, tokens, _GainHead(gain.detach()), backend="torch", dtype=torch.float64)
 
     class LinearParts(nn.Module):
@@ -1285,14 +1291,16 @@ class _MaskedHead(nn.Module):
     """A head whose per-pair work draws from the global RNG (a dropout of rows, drawn in float32 so
     that float16 and float32 copies draw the same mask) and records whether autocast was on."""
 
-    def __init__(self, m, V, h=12):
+    def __init__(self, m, V, h=12, act=torch.tanh, keep=0.5):
         super().__init__()
-        self.inp, self.out, self.autocast = nn.Linear(2 * m, h), nn.Linear(h, 2 * V), []
+        self.inp, self.out, self.autocast, self.rows = nn.Linear(2 * m, h), nn.Linear(h, 2 * V), [], []
+        self.act, self.keep = act, keep
 
     def forward(self, x):
         self.autocast.append(torch.is_autocast_enabled("cpu"))
-        keep = (torch.rand(x.shape[0], 1) < 0.5).to(x.dtype)
-        return self.out(torch.tanh(self.inp(x)) * keep)
+        self.rows.append(x.shape[0])
+        keep = (torch.rand(x.shape[0], 1) < self.keep).to(x.dtype)
+        return self.out(self.act(self.inp(x)) * keep)
 
 
 def test_float16_backward_replays_the_forward(monkeypatch):
@@ -1330,6 +1338,38 @@ def test_float16_backward_replays_the_forward(monkeypatch):
     forward_calls = len(hh.autocast)
     loss.backward()
     assert len(hh.autocast) > forward_calls and all(hh.autocast), hh.autocast
+
+
+def test_float16_window_run_again_draws_what_the_forward_drew():
+    """A float16 window that overflowed runs again (first-layer activations in the thousands, as in
+    test_float16_overflowing_chunks_run_again_smaller) from the RNG state its first attempt started
+    from: a head's dropout masks are the forward's in every attempt, and the gradients match a
+    float32 run of the same draws (an independent review found the rerun drawing fresh masks:
+    errors of 14% on f)."""
+    g = torch.Generator().manual_seed(8)
+    B, L, m, V = 1, 80, 10, 30
+    f, b = (torch.randn(B, L, m, generator=g) * 2048 for _ in range(2))
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    head = _MaskedHead(m, V, h=14, act=torch.relu, keep=0.75)
+    with torch.no_grad():
+        for q in head.parameters():
+            q.copy_(torch.randn(q.shape, generator=g))
+        head.out.weight.mul_(2.0**-10)
+    runs = {}
+    for dtype in (torch.float32, torch.float16):
+        hh = copy.deepcopy(head).to(dtype)
+        torch.manual_seed(7)
+        ff, bb = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+        loss = belief_state_loss(ff, bb, tokens, hh, backend="torch")
+        forward_rows = list(hh.rows)
+        grads = torch.autograd.grad(loss, [ff, bb, *hh.parameters()])
+        runs[dtype] = loss, grads, forward_rows, hh.rows[len(forward_rows):]
+    loss16, grads16, forward_rows, backward_rows = runs[torch.float16]
+    forward_chunks = [n for n in forward_rows if n > 1]  # (not the one-pair probe of the head's shape)
+    assert len(backward_rows) > len(forward_chunks)  # a window ran again
+    assert rel_err(loss16, runs[torch.float32][0]) < 1e-3
+    for g16, g32 in zip(grads16, runs[torch.float32][1]):
+        assert torch.isfinite(g16).all() and rel_err(g16, g32) < 2e-2
 
 
 def test_float16_pair_parts_reaching_another_tensor_is_refused_in_the_forward():

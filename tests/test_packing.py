@@ -37,7 +37,9 @@ def test_a_packed_row_encodes_each_document_as_its_own_row(shared):
 
 def test_flex_attention_reads_the_documents_as_sdpa_does():
     """model.attention "flex" (flex_attention with a block mask, compiled) gives the states of the
-    dense-mask SDPA path on packed rows, new documents reusing the one compiled graph; on the CPU,
+    dense-mask SDPA path on packed rows, new documents reusing the one compiled graph (T = 40, a
+    partial block: torch 2.13's compiled CPU flex read past it, errors of order 1 and NaNs varying
+    run to run, until the mask and q, k, v were padded to whole blocks); on the CPU,
     where flex has no backward, a training call is a clear error."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     torch.manual_seed(0)

@@ -106,11 +106,12 @@ def _setup_context(ctx, inputs, output):
 
 def no_double_backward(backend: str):
     """Raise under create_graph=True (autograd runs a backward with grad mode on only then): the
-    gradients were computed in the forward pass and are constants here, so a second derivative
-    taken through them would be silently wrong."""
+    gradients are computed outside autograd's graph (in the forward pass, or for the torch
+    backend's float16 in a rerun of it) and are constants here, so a second derivative taken
+    through them would be silently wrong."""
     if torch.is_grad_enabled():
-        raise RuntimeError(f"belief_state_loss: backend {backend!r} computes its gradients in the forward pass and "
-                           f"has no second derivative (backward with create_graph=True); use backend='reference'")
+        raise RuntimeError(f"belief_state_loss: backend {backend!r} computes its gradients outside autograd's graph "
+                           f"and has no second derivative (backward with create_graph=True); use backend='reference'")
 
 
 def scaled(grad_loss: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

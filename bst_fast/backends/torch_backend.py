@@ -272,6 +272,16 @@ def _loss_scale(chunk, wscale: float, go: float, lower: float = 1.0):
     return max(gs, mat) if mat < math.inf else gs
 
 
+def _rng_state(dev: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+
+
+def _set_rng_state(state, dev: torch.device):
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], dev)
+
+
 def _finite(tensors) -> bool:
     """Whether every element of the tensors (None: none) is finite: one synchronisation."""
     flags = [torch.isfinite(t).all() for t in tensors if t is not None]
@@ -302,7 +312,10 @@ def _compute(call: _Call, f, b, params, need, go=None):
         compute = torch.get_autocast_dtype(dev.type)
     fp16 = compute == torch.float16
     deferred = fp16 and go is None and any(need)
-    check_only = deferred  # the first window's parts are still checked (_check_reaches_only)
+    # the first window's parts are still checked (_check_reaches_only) where no gradient is computed
+    # now: float16's deferred ones, or none asked for under grad mode (a frozen head whose parts read
+    # another tensor that requires grad would give a loss without its gradient)
+    check_only = deferred or call.grad_enabled and not any(need)
     if deferred:  # the loss alone now; the gradients in the backward, at grad_output's scale
         need_f = need_b = False
         need_params = [False] * len(need_params)
@@ -404,8 +417,11 @@ def _compute(call: _Call, f, b, params, need, go=None):
         # twice): its parameter gradients are added apart until then (one read of their
         # finiteness, a synchronisation a window)
         retry = fp16 and go is not None and backprop
+        rng = _rng_state(dev) if retry else None  # an attempt draws (a head's dropout) what the first drew
         lower = 1.0
         for attempt in range(3):
+            if attempt:
+                _set_rng_state(rng, dev)
             with torch.set_grad_enabled(backprop or graph):
                 fw = f[rows].detach().requires_grad_(need_f or graph and need[0])
                 bw = b[rows].detach().requires_grad_(need_b or graph and need[1])
@@ -469,7 +485,7 @@ class _ChunkedLoss(torch.autograd.Function):
         # grad_enabled decides whether any gradient is computed at all.
         need = [call.grad_enabled and n for n in ctx.needs_input_grad[1:]]  # after `call`: f, b, params
         dev = call.tokens.device
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        rng = _rng_state(dev)
         loss, grads, ctx.deferred = _compute(call, f, b, params, need)
         ctx.dtypes = [t.dtype for t in (f, b, *params)]
         if ctx.deferred:  # float16: the same computation again in the backward, as the forward ran it
@@ -489,9 +505,7 @@ class _ChunkedLoss(torch.autograd.Function):
             dev = ctx.call.tokens.device
             with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
                     torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
-                torch.set_rng_state(ctx.rng[0])  # a head's dropout draws what the forward drew
-                if ctx.rng[1] is not None:
-                    torch.cuda.set_rng_state(ctx.rng[1], dev)
+                _set_rng_state(ctx.rng, dev)  # a head's dropout draws what the forward drew
                 # (one read of grad_output: the chunks' scale)
                 grads = _compute(ctx.call, f, b, params, ctx.need, go=float(grad_loss))[1]
         out = [None if g is None else pair_loss_op.scaled(grad_loss, g).to(dt)
