@@ -333,7 +333,9 @@ def _compute(call: _Call, f, b, params, need, go=None):
     pl = pair_list(call.pairs, Bn, L, chunk_pairs(per_pair, dev, switches), dtype=acc,
                    structured=switches.structured_sums and Ops is TritonOps)
     # the parts' tables and (backprop) their gradient sums, a window of rows at a time
-    per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop else 0))
+    # (the deferred float16 forward counts the sums too: its windows are the backward's, whose
+    # random draws (a head's dropout in pair_parts) they must replay)
+    per_row = L * (table_bytes + (2 * sum(widths) * acc.itemsize if backprop or deferred else 0))
     # (a GPU chunk's budget on any device: the CPU's small one is for its cache, and each small
     # window costs its shared row's parts again)
     windows = _windows(pl.chunks, L, runtime.window_rows(Bn, per_row, switches.torch_chunk_bytes, switches))
