@@ -434,10 +434,14 @@ EXTREME = {
 
 
 def _limit_memory():
-    """3 GiB of address space for the child: a runaway loop fails fast instead of eating the machine."""
+    """3 GiB of address space for the child above what this process maps (a torch built with CUDA
+    maps several GiB at import, and failed to import under a flat 3 GiB): a runaway loop fails fast
+    instead of eating the machine. Runs in the forked child, whose map is this process's."""
     import resource
 
-    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    with open("/proc/self/status") as fh:
+        mapped = next(int(line.split()[1]) << 10 for line in fh if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 30), mapped + (3 << 30)))
 
 
 @pytest.mark.parametrize("case", list(EXTREME))
