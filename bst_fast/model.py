@@ -180,13 +180,12 @@ def document_mask(documents, attention: str = "sdpa"):
         # compiled CPU flex_attention read past a partial last block (T = 40: errors of order 1 and
         # NaNs, varying run to run), as torch has done on the GPU before. A padded position takes
         # the row's last document id; padded queries' rows are dropped.
-        blocks = -(-T // _FLEX_BLOCK)
-        padded = torch.cat([documents, documents[:, -1:].expand(B, blocks * _FLEX_BLOCK - T)], 1)
+        n = -(-T // _FLEX_BLOCK) * _FLEX_BLOCK
+        padded = torch.cat([documents, documents[:, -1:].expand(B, n - T)], 1)
 
         def within(b, h, q, k):
             return (k <= q) & (padded[b, q] == padded[b, k])
-        return create_block_mask(within, B, None, blocks * _FLEX_BLOCK, blocks * _FLEX_BLOCK,
-                                 device=documents.device, BLOCK_SIZE=_FLEX_BLOCK)
+        return create_block_mask(within, B, None, n, n, device=documents.device, BLOCK_SIZE=_FLEX_BLOCK)
     t = torch.arange(T, device=documents.device)
     return ((t[None, :] <= t[:, None])[None] & (documents[:, :, None] == documents[:, None, :]))[:, None]
 

@@ -439,8 +439,11 @@ def _limit_memory():
     instead of eating the machine. Runs in the forked child, whose map is this process's."""
     import resource
 
-    with open("/proc/self/status") as fh:
-        mapped = next(int(line.split()[1]) << 10 for line in fh if line.startswith("VmSize:"))
+    try:
+        with open("/proc/self/status") as fh:
+            mapped = next(int(line.split()[1]) << 10 for line in fh if line.startswith("VmSize:"))
+    except OSError:  # no /proc (macOS): the flat limit
+        mapped = 0
     resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 30), mapped + (3 << 30)))
 
 

@@ -1340,6 +1340,30 @@ def test_float16_backward_replays_the_forward(monkeypatch):
     assert len(hh.autocast) > forward_calls and all(hh.autocast), hh.autocast
 
 
+def _float32_and_float16_runs(f, b, tokens, head, log, configure=lambda dtype: None):
+    """{dtype: (loss, gradients of f, b and the head's parameters, the head's `log` list as the
+    forward left it, what the backward added)} of a copy of `head` in float32 and in float16, each
+    from the same RNG state (`configure(dtype)` first, e.g. to set switches)."""
+    runs = {}
+    for dtype in (torch.float32, torch.float16):
+        configure(dtype)
+        hh = copy.deepcopy(head).to(dtype)
+        ff, bb = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+        torch.manual_seed(7)
+        loss = belief_state_loss(ff, bb, tokens, hh, backend="torch")
+        forward_log = list(getattr(hh, log))
+        grads = torch.autograd.grad(loss, [ff, bb, *hh.parameters()])
+        runs[dtype] = loss, grads, forward_log, getattr(hh, log)[len(forward_log):]
+    return runs
+
+
+def _float16_matches_float32(runs):
+    (loss16, grads16, *_), (loss32, grads32, *_) = runs[torch.float16], runs[torch.float32]
+    assert rel_err(loss16, loss32) < 1e-3
+    for g16, g32 in zip(grads16, grads32):
+        assert torch.isfinite(g16).all() and rel_err(g16, g32) < 2e-2
+
+
 def test_float16_window_run_again_draws_what_the_forward_drew():
     """A float16 window that overflowed runs again (first-layer activations in the thousands, as in
     test_float16_overflowing_chunks_run_again_smaller) from the RNG state its first attempt started
@@ -1355,21 +1379,11 @@ def test_float16_window_run_again_draws_what_the_forward_drew():
         for q in head.parameters():
             q.copy_(torch.randn(q.shape, generator=g))
         head.out.weight.mul_(2.0**-10)
-    runs = {}
-    for dtype in (torch.float32, torch.float16):
-        hh = copy.deepcopy(head).to(dtype)
-        torch.manual_seed(7)
-        ff, bb = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
-        loss = belief_state_loss(ff, bb, tokens, hh, backend="torch")
-        forward_rows = list(hh.rows)
-        grads = torch.autograd.grad(loss, [ff, bb, *hh.parameters()])
-        runs[dtype] = loss, grads, forward_rows, hh.rows[len(forward_rows):]
-    loss16, grads16, forward_rows, backward_rows = runs[torch.float16]
+    runs = _float32_and_float16_runs(f, b, tokens, head, "rows")
+    forward_rows, backward_rows = runs[torch.float16][2:]
     forward_chunks = [n for n in forward_rows if n > 1]  # (not the one-pair probe of the head's shape)
     assert len(backward_rows) > len(forward_chunks)  # a window ran again
-    assert rel_err(loss16, runs[torch.float32][0]) < 1e-3
-    for g16, g32 in zip(grads16, runs[torch.float32][1]):
-        assert torch.isfinite(g16).all() and rel_err(g16, g32) < 2e-2
+    _float16_matches_float32(runs)
 
 
 class _DropoutParts(nn.Module):
@@ -1400,22 +1414,12 @@ def test_float16_backward_runs_the_forward_windows(monkeypatch):
     f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
     tokens = torch.randint(0, V, (B, L), generator=g)
     head = _DropoutParts(m, V)
-    runs = {}
-    for dtype, windows in ((torch.float16, {}), (torch.float32, dict(window_rows=1))):
-        switch(monkeypatch, chunk_pairs=40, torch_chunk_bytes=16 * 3000, **windows)
-        hh = copy.deepcopy(head).to(dtype)
-        ff, bb = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
-        torch.manual_seed(7)
-        loss = belief_state_loss(ff, bb, tokens, hh, backend="torch")
-        forward_calls = list(hh.calls)
-        grads = torch.autograd.grad(loss, [ff, bb, *hh.parameters()])
-        runs[dtype] = loss, grads, forward_calls, hh.calls[len(forward_calls):]
-    loss16, grads16, forward16, backward16 = runs[torch.float16]
+    runs = _float32_and_float16_runs(f, b, tokens, head, "calls", lambda dtype: switch(
+        monkeypatch, chunk_pairs=40, torch_chunk_bytes=16 * 3000, window_rows=None if dtype == torch.float16 else 1))
+    forward16, backward16 = runs[torch.float16][2:]
     assert len(forward16) > 2 and backward16 == forward16  # windows of 1 or 2 rows, replayed
     assert runs[torch.float32][2] == forward16  # the float32 run drew the same masks
-    assert rel_err(loss16, runs[torch.float32][0]) < 1e-3
-    for g16, g32 in zip(grads16, runs[torch.float32][1]):
-        assert rel_err(g16, g32) < 2e-2
+    _float16_matches_float32(runs)
 
 
 def test_float16_pair_parts_reaching_another_tensor_is_refused_in_the_forward():
