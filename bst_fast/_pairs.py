@@ -12,6 +12,9 @@ from ._device_sampler import sample_on_device
 
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
 REDUCTIONS = ("mean", "sum", "row_mean")
+# A mean over no pair is not 0 (docs/contract.md §2); a sum, or a mean of row means, over none is.
+NO_PAIR = ("the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths "
+           "(reduction='sum' or 'row_mean' gives 0 for such a batch)")
 
 
 @dataclass
@@ -453,7 +456,7 @@ def _raise_down(name, ids, down):
 
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
             next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False,
-            device_sampler=False, host_pairs=False) -> Pairs:
+            device_sampler=False, host_pairs=False) -> Optional[Pairs]:
     """Check every argument of belief_state_loss and resolve the pair set; raise naming the argument.
 
     op_checks: the backend's op repeats the checks of values (the cpp op does), so under
@@ -466,7 +469,12 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     documents, or an explicit triple given on the CPU) is then resolved on the host whenever
     lengths and prefix_start are host-known (None, ints or CPU tensors): the returned Pairs holds
     them, the pairs and their weights on the CPU, and nothing here reads the device, so the host
-    draws and checks the pairs while the GPU still runs the encoders."""
+    draws and checks the pairs while the GPU still runs the encoders.
+
+    A batch with no valid pair raises for reduction "mean" (a mean over nothing) and returns None
+    for "sum" and "row_mean", whose value is then 0 (belief_state_loss): a trainer's micro-batch of
+    short rows, normalised by the whole batch's count, adds nothing. Skipped checks (compiled) leave
+    it to the op, which raises."""
     check_f(f)
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
         _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
@@ -550,7 +558,9 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             if bad:
                 _raise_down(*down)
         if any_bad[-1]:
-            _fail(ValueError, "the batch has no valid pair at all: every row is too short for min_gap, prefix_start and lengths")
+            if reduction == "mean":
+                _fail(ValueError, NO_PAIR)
+            return None
     prefix_start = prefix_start.clamp(max=L)
     # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax,
@@ -573,7 +583,9 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, "pairs (row, i, j) must be three 1-D integer tensors of one length, got "
                               + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in (row, i, j)))
         if row.numel() == 0:
-            _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
+            if reduction == "mean":
+                _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
+            return None
         row, i, j = (to_device(x.to(dtype=torch.int64), dev) for x in (row, i, j))
         if B == 0:
             _fail(ValueError, f"pairs[0] = (row={int(row[0])}, i={int(i[0])}, j={int(j[0])}) is not a valid pair: "

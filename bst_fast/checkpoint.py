@@ -88,7 +88,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     root = Path(out_dir) / "checkpoints"
     final = root / (BEST if best else f"step-{step:08d}")
     tmp = temporary_name(final)
-    pool = None
+    pool, committed = None, False
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,14 +129,21 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
             fsync(path)
         if best:  # the old best goes only once the new one is complete
             old = temporary_name(root / "best-old")
-            if final.exists():
+            moved = final.exists()
+            if moved:
                 os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                if moved:  # the old best back in its place
+                    os.replace(old, final)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             atomic_write(root / "latest", lambda p: p.write_text(final.name))
+        committed = True  # in place; what may fail now is making the folder's renames durable
         fsync(root)
     except NonFiniteWeights:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -144,7 +151,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     except Exception as e:  # torch.save and safetensors report a short write as their own errors
         full = disk_full(e) or _out_of_room(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(root, step, e, full)) from e
+        raise CheckpointWriteError(_write_failure(root, step, e, full, final, committed)) from e
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
@@ -180,14 +187,24 @@ def _out_of_room(root: Path, tmp: Path) -> bool:
         return False
 
 
-def _write_failure(root: Path, step: int, error: BaseException, full: bool) -> str:
-    try:
-        previous = latest_checkpoint(root.parent)
-    except ValueError:
-        previous = None
+def _write_failure(root: Path, step: int, error: BaseException, full: bool, final: Path, committed: bool) -> str:
+    """The message of a failed save of `final` (checkpoints/step-N or checkpoints/best): what is
+    left to load. `committed`: the checkpoint was in place when the folder's fsync failed."""
     cause = "the disk is full (no space left on device)" if full else f"{type(error).__name__}: {short(str(error), 300)}"
-    return (f"could not write the checkpoint of step {step} under {root}: {cause}; "
-            f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}")
+    if committed:
+        return (f"the checkpoint of step {step}, {final}, is written and in place, but its folder {root} could not "
+                f"be synced to disk ({cause}): a crash now may lose it")
+    if final.name == BEST:
+        previous = final if final.is_dir() else None
+        kind = "best checkpoint"
+    else:
+        try:
+            previous = latest_checkpoint(root.parent)
+        except ValueError:
+            previous = None
+        kind = "checkpoint"
+    return (f"could not write the {kind} of step {step} under {root}: {cause}; "
+            f"{f'the previous {kind} {previous} is intact' if previous else f'no earlier {kind} exists'}")
 
 
 def prune(root: Path, newest: Path, keep: int):
@@ -245,10 +262,8 @@ def latest_checkpoint(out_dir) -> Optional[Path]:
     return path
 
 
-def verify(path: Path) -> Dict[str, str]:
-    """Checks every file of a checkpoint against its checksums.json; the checksums, or a ValueError
-    naming what is missing or damaged."""
-    path = Path(path)
+def _checksums(path: Path) -> Dict[str, str]:
+    """A checkpoint's checksums.json (file name -> sha256), or a ValueError saying why not."""
     try:
         sums = json.loads((path / CHECKSUMS).read_text())
     except FileNotFoundError:
@@ -258,10 +273,18 @@ def verify(path: Path) -> Dict[str, str]:
         raise ValueError(f"checkpoint {path} has a damaged {CHECKSUMS}: {short(str(e))}") from None
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise ValueError(f"checkpoint {path} has a damaged {CHECKSUMS}: not a mapping of file names to sha256")
-    for name in (WEIGHTS, STATE, CONFIG):
+    return sums
+
+
+def verify(path: Path, only: Optional[str] = None) -> Dict[str, str]:
+    """Checks every file of a checkpoint (or the one named `only`, which must be listed) against its
+    checksums.json; the checksums, or a ValueError naming what is missing or damaged."""
+    path = Path(path)
+    sums = _checksums(path)
+    for name in (WEIGHTS, STATE, CONFIG) if only is None else (only,):
         if name not in sums:
             raise ValueError(f"checkpoint {path}: {CHECKSUMS} does not list {name}")
-    for name, want in sums.items():
+    for name, want in sums.items() if only is None else [(only, sums[only])]:
         file = path / name
         if Path(name).name != name or not file.is_file():
             raise ValueError(f"checkpoint {path} is missing {short(name)}, which its {CHECKSUMS} lists")

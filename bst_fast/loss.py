@@ -48,6 +48,15 @@ def _check_head(head, f):
             raise ValueError(f"head parameter {name} must be on the device of f ({f.device}), got {q.device}")
 
 
+def _no_pair_loss(f, b, head):
+    """An exact 0 in the loss's dtype whose gradients are zeros of f, b and every head parameter
+    that requires one (a sum over empty slices: no 0 * inf, and each parameter gets its gradient,
+    as DDP waits for)."""
+    parts = [f, b] + [q for q in head.parameters() if q.requires_grad]
+    zero = sum(t.reshape(-1)[:0].sum() for t in parts)
+    return zero.to(torch.float64 if f.dtype == torch.float64 else torch.float32)
+
+
 def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, head: nn.Module, *,
                       lengths=None, prefix_start=0, min_gap: int = 2, max_gap: Optional[int] = None,
                       meet_token: Optional[int] = None, documents=None, pairs=None, next_weight: float = 0.5,
@@ -76,7 +85,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
             docs/contract.md §5), or an explicit (row, i, j) triple of int64 (n,) tensors.
         next_weight: lambda, the weight of the Next cross-entropy; Prev gets 1 - lambda.
         reduction: "mean" (divide by |P|), "sum", or "row_mean" (each row's mean over its pairs, then
-            the mean over the B rows, a row with no pair adding 0: docs/contract.md §9).
+            the mean over the B rows, a row with no pair adding 0: docs/contract.md §9). A batch with no
+            valid pair raises for "mean" and gives 0 (zero gradients) for "sum" and "row_mean".
         generator: the torch.Generator the subsample is drawn from.
         backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
             "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
@@ -96,6 +106,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
                        generator=generator, meet_token=meet_token, documents=documents, op_checks=chosen.FUSED,
                        host_pairs=chosen.HOST_PAIRS and runtime.SWITCHES.host_pairs,
                        device_sampler=runtime.SWITCHES.device_sampler)
+    if p is None:  # reduction "sum" or "row_mean" over no pair: 0 (docs/contract.md §2)
+        return _no_pair_loss(f, b, head)
     tokens = tokens.long()
     if not chosen.FUSED:
         return chosen.run(f, b, tokens, head, p, LossOptions(next_weight=next_weight, vocab_size=V))

@@ -372,6 +372,9 @@ class BeliefStateTransformer(nn.Module):
                 check_documents(documents, lengths, *tokens.shape, tokens.device, values=False)
             f, b = self._states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
+        if red == "sum" and not pair_total > 0:  # this part of the batch may have none, the whole batch must not
+            raise ValueError(f"pair_total must be > 0 (the whole batch's pair count), got {pair_total}: "
+                             "the batch has no valid pair at all")
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=loss_lengths,
                                        prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ._pairs import pair_counts
+from .checkpoint import verify
 from .config import TrainConfig
 from .decode import sample
 from .files import atomic_write
@@ -165,6 +166,7 @@ class TextTask:
 
     def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
         from .data import TextData, load_tokenizer, train_bpe
+        from .data.text import vocabulary_size
         from .data.prepared import is_prepared, open_data
 
         # A prepared corpus (a folder `bst-fast tokenize` wrote), or a list of them with weights,
@@ -180,6 +182,7 @@ class TextTask:
             path = Path(resume_from) / TOKENIZER
             if not path.is_file():
                 raise ValueError(f"--resume: checkpoint {resume_from} holds no {TOKENIZER} (the run's tokenizer)")
+            verify(resume_from, only=TOKENIZER)  # a damaged one is named as such, not as a bad tokenizer
             saved = load_tokenizer(path)
         if cfg.tokenizer and not resume:
             try:
@@ -204,7 +207,10 @@ class TextTask:
             else:
                 self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
             self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress, **rows)
-        self.vocab_size, self.max_len, self.prefix_start = self.tokenizer.get_vocab_size(), cfg.max_len, 0
+        self.vocab_size, self.max_len, self.prefix_start = vocabulary_size(self.tokenizer), cfg.max_len, 0
+        if cfg.keep_best == "held_out_loss" and not self.data.n_held_out:
+            raise ValueError("config field 'keep_best' is 'held_out_loss', but the corpus gives no held-out rows "
+                             "(a single document of a single row has none): no best checkpoint could be kept")
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
         if rank == 0 and (cfg.pack or cfg.max_doc_tokens):

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from ._checks import short
 from ._pairs import to_device
-from .checkpoint import best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
+from .checkpoint import NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
 from .tasks import Objective, build_model, build_task, model_config
@@ -344,9 +344,19 @@ def _keep_best(run: Run, done: int, row: Dict[str, float]):
         return
     value, lower = row[metric], metric.endswith("loss")
     if run.best is None or (value < run.best if lower else value > run.best):
-        save_checkpoint(run.cfg.out_dir, done, run.model, run.optimizer, run.scheduler, run.cfg, 0,
-                        task=run.task, best={"metric": metric, "value": value, "step": done})
+        _save(run, done, keep=0, best={"metric": metric, "value": value, "step": done})
         run.best = value
+
+
+def _save(run: Run, done: int, **kw) -> Path:
+    """save_checkpoint of the run after step `done`; weights it refuses (non-finite) stop the run,
+    naming the last good checkpoint."""
+    try:
+        return save_checkpoint(run.cfg.out_dir, done, run.model, run.optimizer, run.scheduler, run.cfg,
+                               task=run.task, **kw)
+    except NonFiniteWeights as e:
+        raise TrainingStopped(f"training stopped at step {done}: {e}; the last good checkpoint is "
+                              f"{run.last_good or 'none (no checkpoint was written yet)'}") from None
 
 
 def _close_interval(run: Run, done: int, end: int, lr: float):
@@ -391,12 +401,7 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
                 dist.all_gather(sums, run.loss_sum)
             open_log = {"loss_sum": [float(s) for s in sums], "n": run.n_sum}
         if run.rank == 0:
-            try:
-                run.last_good = save_checkpoint(cfg.out_dir, done, run.model, run.optimizer, run.scheduler, cfg,
-                                                cfg.keep_checkpoints, log=open_log, task=run.task)
-            except ValueError as e:  # non-finite weights: refused, the last good checkpoint kept
-                raise TrainingStopped(f"training stopped at step {done}: {e}; the last good checkpoint is "
-                                      f"{run.last_good or 'none (no checkpoint was written yet)'}") from None
+            run.last_good = _save(run, done, keep=cfg.keep_checkpoints, log=open_log)
 
 
 def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int] = None,

@@ -184,6 +184,41 @@ def test_nothing_requires_grad(backend):
     assert rel_err(loss, ref) < 1e-5
 
 
+NO_PAIR = {  # batches of B = 3, L = 13 with no valid pair (docs/contract.md §2)
+    "short_rows": dict(lengths=torch.tensor([2, 1, 0])),
+    "prefix_start": dict(prefix_start=12),
+    "min_gap": dict(min_gap=13),
+    "fraction": dict(lengths=torch.tensor([2, 2, 2]), pairs=0.5, generator_seed=3),
+    "count": dict(prefix_start=11, pairs=4, generator_seed=4),
+    "empty_triple": dict(pairs=tuple(torch.zeros(0, dtype=torch.int64) for _ in range(3))),
+}
+
+
+@pytest.mark.parametrize("backend,dtype", RUNS + [("reference", torch.float64)],
+                         ids=[f"{b}-{str(d)[6:]}" for b, d in RUNS + [("reference", torch.float64)]])
+@pytest.mark.parametrize("case", list(NO_PAIR))
+def test_a_sum_over_no_pair_is_zero_and_a_mean_raises(case, backend, dtype):
+    """A trainer's micro-batch of short rows is summed and divided by the whole batch's count: it
+    adds an exact 0, and every input that requires a gradient gets zeros (DDP waits for each
+    parameter's); a mean over no pair stays an error."""
+    opts = dict(NO_PAIR[case])
+    seed = opts.pop("generator_seed", 0)
+    f, b, tokens, head = make_inputs(seed=480, dtype=dtype)
+    head.layers[0].weight.requires_grad_(False)  # a frozen layer stays without a gradient
+    f.requires_grad_()
+    with pytest.raises(ValueError, match="no valid pair at all"):
+        belief_state_loss(f, b, tokens, head, backend=backend, generator=torch.Generator().manual_seed(seed), **opts)
+    for reduction in ("sum", "row_mean"):
+        loss = belief_state_loss(f, b, tokens, head, backend=backend, reduction=reduction,
+                                 generator=torch.Generator().manual_seed(seed), **opts)
+        assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and loss.dim() == 0
+        assert float(loss.detach()) == 0.0
+        wrt = [f] + [q for q in head.parameters() if q.requires_grad]
+        grads = torch.autograd.grad(loss, wrt)
+        assert all(g is not None and g.shape == t.shape and not g.any() for g, t in zip(grads, wrt))
+    assert head.layers[0].weight.grad is None and b.grad is None
+
+
 def test_no_grad_computes_no_gradient(monkeypatch):
     """Under torch.no_grad the torch backend must not differentiate its chunks (evaluation cost)."""
     f, b, tokens, head = make_inputs(seed=471)

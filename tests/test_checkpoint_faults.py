@@ -1,6 +1,10 @@
 """Checkpoint faults an adversarial review found beyond issue 20's first cases: non-finite optimizer
 state is never saved, a state.pt of another step is refused, a `best` swap killed halfway is put
-back, and a user's own `.x.tmp` beside the checkpoints is not ours to delete."""
+back, and a user's own `.x.tmp` beside the checkpoints is not ours to delete; a second review:
+non-finite weights at a best save stop the run as at any save, a failed best swap puts the old
+best back, and a checkpoint in place whose folder fails to sync is not called the previous one."""
+import errno
+import os
 import json
 import shutil
 from pathlib import Path
@@ -9,10 +13,12 @@ import pytest
 import torch
 
 from bst_fast import train
-from bst_fast.checkpoint import BEST, BEST_JSON, CHECKSUMS, latest_checkpoint, remove_stale
+from bst_fast import checkpoint
+from bst_fast.checkpoint import (BEST, BEST_JSON, CHECKSUMS, CheckpointWriteError, latest_checkpoint, remove_stale,
+                                 save_checkpoint)
 from bst_fast.config import resolve_config
 from bst_fast.files import sha256
-from bst_fast.trainer import TrainingStopped
+from bst_fast.trainer import TrainingStopped, build_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -83,3 +89,81 @@ def test_only_save_checkpoints_own_temporary_names_are_removed(tmp_path):
         p.mkdir() if p.name.startswith(".step") or p.name == ".mywork.tmp" else p.write_text("x")
     remove_stale(root)
     assert not any(p.exists() for p in ours) and all(p.exists() for p in theirs)
+
+
+def test_non_finite_weights_at_a_best_save_stop_the_run(tmp_path, monkeypatch):
+    """A weight turned infinite by the step whose evaluation is the best so far: the best save
+    refuses it as the regular save does, TrainingStopped naming the last good checkpoint (a bare
+    NonFiniteWeights escaped before, which the CLI reports as bad input)."""
+    import bst_fast.trainer as trainer
+
+    d = tmp_path / "b"
+    opts = dict(keep_best="path_accuracy", eval_every=3, ckpt_every=3)
+    train(tiny(d, **opts), stop_at=3)
+    real = trainer.train_step
+
+    def poisoned(run, step):
+        loss = real(run, step)
+        if step == 5:  # after the update: the step's own loss is finite
+            with torch.no_grad():
+                next(run.model.parameters()).view(-1)[0] = float("inf")
+        return loss
+
+    monkeypatch.setattr(trainer, "train_step", poisoned)
+    monkeypatch.setattr(trainer, "best_so_far", lambda *a: None)  # whatever it scores, it is the best
+    with pytest.raises(TrainingStopped, match="non-finite values.*last good checkpoint is .*step-00000003"):
+        train(tiny(d, **opts), resume=True, stop_at=6)
+    assert json.loads((d / "checkpoints" / BEST / BEST_JSON).read_text())["step"] == 3
+
+
+def _failing(monkeypatch, module_attr, when):
+    """module_attr (checkpoint.os.replace or checkpoint.fsync) raising EIO/ENOSPC where when(args)."""
+    obj, name = module_attr
+    real = getattr(obj, name)
+
+    def fake(*args):
+        if when(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+    monkeypatch.setattr(obj, name, fake)
+
+
+def test_a_failed_best_swap_puts_the_old_best_back(tmp_path, monkeypatch):
+    run = build_run(tiny(tmp_path).check(), "cpu")
+    args = (run.model, run.optimizer, run.scheduler, run.cfg, 0)
+    save_checkpoint(tmp_path, 1, *args, best={"metric": "path_accuracy", "value": 0.1, "step": 1})
+    _failing(monkeypatch, (checkpoint.os, "replace"),
+             lambda a, b: Path(a).name.startswith(".best.") and Path(b).name == BEST)
+    with pytest.raises(CheckpointWriteError, match=r"best checkpoint of step 2 .*the previous best checkpoint "
+                                                   r".*checkpoints/best is intact"):
+        save_checkpoint(tmp_path, 2, *args, best={"metric": "path_accuracy", "value": 0.2, "step": 2})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [BEST]
+    assert json.loads((root / BEST / BEST_JSON).read_text())["step"] == 1
+
+
+def test_a_checkpoint_in_place_whose_folder_fails_to_sync_is_named_as_such(tmp_path, monkeypatch):
+    """`latest` already names step 6 when checkpoints/'s fsync fails: the error says that step is in
+    place, not that it failed and that it is "the previous checkpoint"."""
+    d = tmp_path / "f"
+    train(tiny(d), stop_at=3)
+    calls = []
+    _failing(monkeypatch, (checkpoint, "fsync"),
+             lambda p: Path(p).name == "checkpoints" and calls.append(p) is None and len(calls) == 1)
+    with pytest.raises(CheckpointWriteError, match=r"step 6, .*step-00000006, is written and in place, but its "
+                                                   r"folder .* could not be synced"):
+        train(tiny(d), resume=True, stop_at=6)
+    assert latest_checkpoint(d).name == "step-00000006"
+
+
+def test_a_damaged_tokenizer_in_a_checkpoint_is_named_corrupt(tmp_path):
+    """A text run's resume read the checkpoint's tokenizer.json before the checksums: a damaged one
+    was reported as a bad tokenizer file, not as a corrupt checkpoint."""
+    (tmp_path / "c.txt").write_text("\n\n".join(f"the cat {k} sat on the mat and ran" for k in range(40)))
+    d = tmp_path / "t"
+    cfg = tiny(d, data=str(tmp_path / "c.txt"), text_vocab=270, max_len=16)
+    train(cfg, stop_at=2)
+    tok = latest_checkpoint(d) / "tokenizer.json"
+    tok.write_text(tok.read_text()[:-50])
+    with pytest.raises(ValueError, match=r"step-00000002 is corrupt: tokenizer.json does not match its sha256"):
+        train(cfg, resume=True)

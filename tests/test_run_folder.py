@@ -501,6 +501,20 @@ def test_a_linked_run_folder_is_refused_and_its_target_kept(tmp_path, name, resu
     assert snapshot(foreign) == before
 
 
+@pytest.mark.parametrize("where", ["out_dir", "parent"])
+def test_a_link_to_nothing_on_the_way_is_refused_before_the_setup(tmp_path, where):
+    """A dangling link as out_dir (or above it) was only found by claim's mkdir, after the model and
+    the first batch were built: a bare FileExistsError then."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    out = link if where == "out_dir" else link / "run"
+    with pytest.raises(ValueError, match=r"link is a symbolic link to nothing"):
+        RunFolder(out).check(resume=False, overwrite=False)
+    proc = cli("train", "--config", TINY, "--set", f"out_dir={out}")
+    assert "symbolic link to nothing" in one_error_line(proc)
+    assert not (tmp_path / "gone").exists()
+
+
 def test_only_this_packages_temporary_files_are_cleaned_up(run_copy):
     d = run_copy
     user = [d / ".notes.tmp", d / ".cache.tmp" / "f", d / "checkpoints" / ".mine.tmp", d / ".metrics.csv.tmp"]

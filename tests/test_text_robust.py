@@ -180,6 +180,46 @@ def test_load_tokenizer_missing_file_and_good_file(tmp_path, good_json):
     assert [tok.token_to_id(t) for t in text_mod.SPECIAL_TOKENS] == [0, 1, 2]
 
 
+def test_specials_that_are_not_special_tokens_are_refused(tmp_path, good_json):
+    """HF's encode_special_tokens covers special tokens only: a tokenizer whose <eos> is a plain
+    added token would turn a document's text "<eos>" into the EOS id inside the document."""
+    obj = json.loads(good_json)
+    for t in obj["added_tokens"]:
+        t["special"] = t["content"] != "<eos>"
+    (tmp_path / "tok.json").write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=r"tok.json: <eos> must be special added tokens"):
+        load_tokenizer(tmp_path / "tok.json")
+    from tokenizers import Tokenizer
+
+    (tmp_path / "a.txt").write_text("hello <eos> world\n\nsecond <bos> document")
+    with pytest.raises(ValueError, match="<eos> must be special added tokens"):
+        TextData(tmp_path / "a.txt", Tokenizer.from_str(json.dumps(obj)), max_len=16, held_out=0.0)
+
+
+def test_a_tokenizer_whose_ids_skip_numbers_sizes_the_vocabulary_by_its_largest_id(tmp_path, good_json):
+    """get_vocab_size counts ids: with the byte 'e' moved to id 5000 it still says 300, and an
+    embedding of 300 rows would be indexed at 5000."""
+    obj = json.loads(good_json)
+    obj["model"]["vocab"]["e"] = 5000
+    (tmp_path / "tok.json").write_text(json.dumps(obj))
+    tok = load_tokenizer(tmp_path / "tok.json")
+    assert tok.get_vocab_size() == 300 and text_mod.vocabulary_size(tok) == 5001
+    (tmp_path / "a.txt").write_text("e e e e\n\n" + _prose(6))
+    data = TextData(tmp_path / "a.txt", tok, max_len=16, held_out=0.0)
+    rows = data.batch(0, data.n_train, 0)[0]  # every row
+    assert data.vocab_size == 5001 and 5000 in rows and int(rows.max()) == 5000
+
+
+def test_overlapping_data_paths_are_refused(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text(_prose(3))
+    assert text_mod._text_files([tmp_path / "c"]) == [tmp_path / "c" / "a.txt"]
+    for paths in ([tmp_path / "c", tmp_path / "c" / "a.txt"], [tmp_path / "c", tmp_path / "c"],
+                  [tmp_path, tmp_path / "c"]):
+        with pytest.raises(ValueError, match=r"the data paths reach .*a.txt twice"):
+            text_mod._text_files(paths)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. error messages quote user values in at most a few hundred characters
 

@@ -105,6 +105,37 @@ def test_grad_accum_gives_the_big_batchs_weights(tmp_path, reduction):
     assert any(not torch.equal(p1[k], build_run(text(tmp_path).check(), "cpu").model.state_dict()[k]) for k in p1)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "row_mean"])
+def test_a_micro_batch_without_pairs_adds_nothing(tmp_path, reduction):
+    """A micro-batch of rows too short for any pair (a split stream's last row can be one) adds 0
+    to the step and zeros to the gradients: the step equals the whole batch's in one piece. The
+    loss raised on such a micro-batch before."""
+    def short_tail(rows):
+        def patched(step, batch_size):
+            tokens, lengths, start, documents = rows(step, batch_size)
+            return tokens, torch.cat([lengths[:2], torch.tensor([2, 1])]), start, documents
+        return patched
+
+    runs = []
+    for accum in (1, 2):
+        run = build_run(text(tmp_path, reduction=reduction, grad_accum=accum, batch_size=4,
+                             **{"model.dropout": 0.0}).check(), "cpu")
+        run.task.rows = short_tail(run.task.rows)
+        losses = [float(train_step(run, step)) for step in range(2)]
+        runs.append((losses, params(run.model)))
+    (l1, p1), (l2, p2) = runs
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    assert all(torch.allclose(p1[k], p2[k], atol=1e-6, rtol=1e-5) for k in p1)
+
+
+def test_a_batch_without_pairs_is_refused_by_the_model(tmp_path):
+    run = build_run(text(tmp_path).check(), "cpu")
+    tokens = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="pair_total must be > 0"):
+        run.objective(run.model, tokens, torch.tensor([2, 1]), prefix_start=0, generator=torch.Generator(),
+                      pair_total=0.0, token_total=1.0, row_total=2)
+
+
 def test_grad_accum_resume_is_bitwise_exact(tmp_path):
     opts = dict(grad_accum=2, pairs=0.5, steps=6, ckpt_every=0, **{"model.dropout": 0.1})
     train(tiny(tmp_path / "full", **opts))
@@ -113,6 +144,18 @@ def test_grad_accum_resume_is_bitwise_exact(tmp_path):
     a, _ = load_model(tmp_path / "full")
     b, _ = load_model(tmp_path / "cut")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_keep_best_held_out_loss_without_held_out_rows_is_refused(tmp_path):
+    """One document of one row leaves no held-out rows: the run kept no best checkpoint and said
+    nothing before."""
+    (tmp_path / "one.txt").write_text("the cat sat on the mat")
+    cfg = tiny(tmp_path / "run", data=str(tmp_path / "one.txt"), text_vocab=270, max_len=24, batch_size=1,
+               keep_best="held_out_loss")
+    with pytest.raises(ValueError, match="'keep_best' is 'held_out_loss', but the corpus gives no held-out rows"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+    train(cfg, keep_best="", steps=1)  # without keep_best the corpus trains
 
 
 def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monkeypatch):

@@ -337,6 +337,8 @@ def triton_pair_loss(f: torch.Tensor, b: torch.Tensor, weights: List[torch.Tenso
     checked = _pairs.prepare(f, b, tokens, V, lengths=lengths, prefix_start=prefix_start, min_gap=min_gap,
                              max_gap=max_gap, pairs=None if row is None else (row, i, j), next_weight=next_weight,
                              reduction="sum", generator=None, meet_token=meet_token, host_pairs=True)
+    if checked is None:  # as the cpp op: only belief_state_loss makes a sum over no pair 0
+        raise ValueError(_pairs.NO_PAIR)
     on_device_lengths = _pairs.to_device(lengths, f.device)  # uploaded once, without blocking
     bad_tok = _pairs.token_problems(tokens, on_device_lengths, V) if checked.host else None
     p = Pairs(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,

@@ -53,7 +53,8 @@ from ..files import fsync, sha256
 from .packing import padding_saved
 from .star import _Batches
 from .text import (_ENCODE_CHARS, SPECIAL_TOKENS, TextData, _check_split, _doc_batches, _documents, _progress_bar,
-                   _shown, _text_files, _text_only, load_tokenizer, save_tokenizer, train_bpe)
+                   _shown, _text_files, _text_only, load_tokenizer, save_tokenizer, train_bpe,
+                   vocabulary_size)
 
 FORMAT, VERSION = "bst_fast.prepared", 1
 MANIFEST, TOKENS, OFFSETS, TOKENIZER = "manifest.json", "tokens.bin", "offsets.bin", "tokenizer.json"
@@ -162,7 +163,7 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     special = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
     if None in special.values():
         raise ValueError(f"tokenizer: has no {', '.join(k for k, v in special.items() if v is None)} token")
-    vocab = tok.get_vocab_size()
+    vocab = vocabulary_size(tok)
     dtype = dtype_for(vocab)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -355,8 +356,8 @@ class PreparedCorpus:
             raise ValueError(f"{_shown(tok_file, True)}: its SHA-256 does not match the fingerprint in {MANIFEST} "
                              f"(the tokenizer was changed after tokenising); tokenize the corpus again")
         tokenizer = load_tokenizer(tok_file)
-        if tokenizer.get_vocab_size() != m["vocab_size"]:
-            raise ValueError(f"{_shown(tok_file, True)}: {tokenizer.get_vocab_size()} ids, but {MANIFEST} says "
+        if vocabulary_size(tokenizer) != m["vocab_size"]:
+            raise ValueError(f"{_shown(tok_file, True)}: {vocabulary_size(tokenizer)} ids, but {MANIFEST} says "
                              f"vocab_size {m['vocab_size']}")
         opath = path / files["offsets"]
         raw = opath.read_bytes()

@@ -3,8 +3,10 @@
 Documents: every *.txt file given (a folder is searched recursively, skipping hidden files and
 folders such as .git or .ipynb_checkpoints, whose copies would straddle the split) is read as
 UTF-8 (a leading byte-order mark is dropped; any other encoding is an error naming the file) and
-split at blank lines (one or more lines holding only whitespace); each non-empty block is one
-document, so a file without blank lines is a single document. A document becomes rows
+split at blank lines (one or more lines holding only ASCII spaces, tabs, \r, \f or \v: a line of
+U+00A0 or U+3000 is content; lines end at \n, so a file of \r-only line ends is one line, and a
+CRLF file's \r stays in its documents); each non-empty block is one document, so a file without
+blank lines is a single document. A document becomes rows
 [BOS, x_1, ..., x_T, EOS] of at most max_len tokens: a longer one is cut into consecutive chunks
 of max_len - 2 tokens, each wrapped in its own BOS/EOS (or, with max_doc_tokens, a document longer
 than that is dropped). pack=True then packs these rows several to a row of max_len, pack="split"
@@ -101,6 +103,14 @@ def _text_files(paths) -> list[Path]:
             files.append(p)
         else:
             raise FileNotFoundError(f"no such file or folder: {_shown(p, True)}")
+    # A file reached twice (a folder and a file in it, or overlapping folders) would put its
+    # documents twice into the corpus, perhaps on both sides of the held-out split.
+    seen = set()
+    for f in files:
+        real = os.path.realpath(f)
+        if real in seen:
+            raise ValueError(f"the data paths reach {_shown(f, True)} twice: they must not overlap")
+        seen.add(real)
     return files
 
 
@@ -282,15 +292,28 @@ def load_tokenizer(path):
     if missing:
         raise ValueError(f"{where}: the tokenizer has no {', '.join(missing)} token"
                          f"{'s' if len(missing) > 1 else ''}; {expected}")
-    return _text_only(tok)
+    return _text_only(tok, where)
 
 
-def _text_only(tokenizer):
+def vocabulary_size(tokenizer) -> int:
+    """The model's vocabulary for `tokenizer`: its largest id + 1. (get_vocab_size counts the ids;
+    a tokenizer whose ids skip numbers has ids at or above that count.)"""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _text_only(tokenizer, where: str = "tokenizer"):
     """The tokenizer set to encode '<pad>', '<bos>' or '<eos>' written in a text as that text:
     otherwise HF tokenizers matches them in the input and a document would hold special ids (the
-    specials are added by id, never by text). The setting is not saved in tokenizer.json. Padding
+    specials are added by id, never by text). The setting is not saved in tokenizer.json, and it
+    covers special tokens only: the three must be special added tokens (train_bpe's are), else
+    their text is still matched, so another tokenizer is refused, naming it as `where`. Padding
     and truncation, which a tokenizer.json may hold, are turned off: a document is encoded whole
     (rows are cut here) and never padded (PAD would become content and a training label)."""
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    plain = [name for name in SPECIAL_TOKENS if name not in special]
+    if plain:
+        raise ValueError(f"{where}: {', '.join(plain)} must be special added tokens (special=True, as train_bpe "
+                         "makes them): otherwise a document's text '<eos>' would encode as the EOS id")
     tokenizer.encode_special_tokens = True
     tokenizer.no_padding()
     tokenizer.no_truncation()
@@ -447,7 +470,7 @@ class TextData(_Batches):
             if bar is not None:
                 bar.close()
         self.tokenizer = tokenizer
-        self._build(flat, doc_lengths, tokenizer.get_vocab_size(), ids["<pad>"], ids["<bos>"],
+        self._build(flat, doc_lengths, vocabulary_size(tokenizer), ids["<pad>"], ids["<bos>"],
                     ids["<eos>"], max_len, held_out, seed, pack=pack, max_doc_tokens=max_doc_tokens)
 
     @classmethod
