@@ -454,6 +454,16 @@ def _raise_down(name, ids, down):
                       f"{name}[{r}, {t + 1}] = {int(ids[r, t + 1])} after {int(ids[r, t])}")
 
 
+def _no_pair(reduction, host, tokens, lengths, vocab_size, message):
+    """prepare's answer for a batch without pairs: the error of a mean, else None (a sum over
+    nothing, 0). A host pair set left its tokens to the op, which will not run: checked here."""
+    if reduction == "mean":
+        _fail(ValueError, message)
+    if host:
+        raise_on_bad_tokens(tokens, token_problems(tokens, lengths, vocab_size), vocab_size)
+    return None
+
+
 def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap, pairs,
             next_weight, reduction, generator, meet_token=None, documents=None, op_checks=False,
             device_sampler=False, host_pairs=False) -> Optional[Pairs]:
@@ -558,9 +568,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             if bad:
                 _raise_down(*down)
         if any_bad[-1]:
-            if reduction == "mean":
-                _fail(ValueError, NO_PAIR)
-            return None
+            return _no_pair(reduction, host, tokens, lengths, vocab_size, NO_PAIR)
     prefix_start = prefix_start.clamp(max=L)
     # only a pair set with gap-1 pairs carries the token: with min_gap >= 2 every backend runs as without it
     common = dict(lengths=lengths, prefix_start=prefix_start, min_gap=min_gap, max_gap=gmax,
@@ -583,9 +591,8 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             _fail(ValueError, "pairs (row, i, j) must be three 1-D integer tensors of one length, got "
                               + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in (row, i, j)))
         if row.numel() == 0:
-            if reduction == "mean":
-                _fail(ValueError, "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
-            return None
+            return _no_pair(reduction, host, tokens, lengths, vocab_size,
+                            "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
         row, i, j = (to_device(x.to(dtype=torch.int64), dev) for x in (row, i, j))
         if B == 0:
             _fail(ValueError, f"pairs[0] = (row={int(row[0])}, i={int(i[0])}, j={int(j[0])}) is not a valid pair: "

@@ -135,8 +135,11 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
             try:
                 os.replace(tmp, final)
             except BaseException:
-                if moved:  # the old best back in its place
-                    os.replace(old, final)
+                if moved:  # the old best back in its place (or, failing that, by remove_stale at the next start)
+                    try:
+                        os.replace(old, final)
+                    except OSError:
+                        pass
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -195,8 +198,12 @@ def _write_failure(root: Path, step: int, error: BaseException, full: bool, fina
         return (f"the checkpoint of step {step}, {final}, is written and in place, but its folder {root} could not "
                 f"be synced to disk ({cause}): a crash now may lose it")
     if final.name == BEST:
+        kept = sorted(root.glob(".best-old.*.tmp"))
         previous = final if final.is_dir() else None
         kind = "best checkpoint"
+        if previous is None and kept:
+            return (f"could not write the best checkpoint of step {step} under {root}: {cause}; the previous best "
+                    f"checkpoint is kept as {kept[0]}, and the run's next start puts it back")
     else:
         try:
             previous = latest_checkpoint(root.parent)

@@ -372,7 +372,8 @@ class BeliefStateTransformer(nn.Module):
                 check_documents(documents, lengths, *tokens.shape, tokens.device, values=False)
             f, b = self._states(tokens, lengths, documents)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
-        if red == "sum" and not pair_total > 0:  # this part of the batch may have none, the whole batch must not
+        # this part of the batch may have no pair (its loss is then 0), the whole batch must not
+        if pair_total is not None and not pair_total > 0:
             raise ValueError(f"pair_total must be > 0 (the whole batch's pair count), got {pair_total}: "
                              "the batch has no valid pair at all")
         with record_function("pair_loss"):

@@ -140,6 +140,15 @@ def test_a_failed_best_swap_puts_the_old_best_back(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [BEST]
     assert json.loads((root / BEST / BEST_JSON).read_text())["step"] == 1
+    # the swap and its undoing both failing: the message names where the old best is kept (not "no
+    # earlier best"), with the first failure as the cause; the next start puts it back
+    _failing(monkeypatch, (checkpoint.os, "replace"), lambda a, b: Path(b).name == BEST)
+    with pytest.raises(CheckpointWriteError, match=r"of step 3 .*the disk is full.*the previous best checkpoint is kept "
+                                                   r"as .*\.best-old\.[0-9]+\.tmp, and the run's next start puts it back"):
+        save_checkpoint(tmp_path, 3, *args, best={"metric": "path_accuracy", "value": 0.3, "step": 3})
+    monkeypatch.undo()
+    remove_stale(root)
+    assert json.loads((root / BEST / BEST_JSON).read_text())["step"] == 1
 
 
 def test_a_checkpoint_in_place_whose_folder_fails_to_sync_is_named_as_such(tmp_path, monkeypatch):

@@ -179,6 +179,28 @@ def test_op_checks_the_tokens_after_its_kernels(bad, pairs, fused):
                           generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("pairs", [0.5, "empty"])
+def test_a_sum_over_no_pair_still_checks_a_host_sets_tokens(pairs):
+    """A sum over no pair returns 0 before the triton op runs, so the tokens the op would have
+    checked (a host pair set's) are checked then: cpp raises for them, and so must triton."""
+    pytest.importorskip("bst_fast._C")
+    g = torch.Generator().manual_seed(0)
+    B, L, m, V = 2, 9, 5, 7
+    head = TextHead(m, V, hidden=8, n_layers=2)
+    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    tokens[1, 1] = V  # inside row 1's two valid positions
+    if pairs == "empty":
+        pairs = tuple(torch.zeros(0, dtype=torch.int64) for _ in range(3))
+    for backend in ("cpp", "triton"):
+        with pytest.raises(IndexError, match=rf"tokens\[1, 1\] = {V}"):
+            belief_state_loss(f, b, tokens, head, lengths=torch.tensor([2, 2]), pairs=pairs, reduction="sum",
+                              backend=backend, generator=torch.Generator().manual_seed(1))
+    tokens[1, 1] = 0
+    assert float(belief_state_loss(f, b, tokens, head, lengths=torch.tensor([2, 2]), pairs=pairs, reduction="sum",
+                                   backend="triton", generator=torch.Generator().manual_seed(1))) == 0.0
+
+
 def test_to_device():
     t = torch.arange(5)
     assert _pairs.to_device(t, "cpu") is t

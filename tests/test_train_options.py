@@ -128,12 +128,17 @@ def test_a_micro_batch_without_pairs_adds_nothing(tmp_path, reduction):
     assert all(torch.allclose(p1[k], p2[k], atol=1e-6, rtol=1e-5) for k in p1)
 
 
-def test_a_batch_without_pairs_is_refused_by_the_model(tmp_path):
-    run = build_run(text(tmp_path).check(), "cpu")
+@pytest.mark.parametrize("reduction", ["mean", "row_mean"])
+def test_a_batch_without_pairs_is_refused_by_the_model_and_the_trainer(tmp_path, reduction):
+    """A whole batch without pairs stays an error under both reductions (row_mean's loss over it is
+    0: the model, given the batch's counts, refuses it, and a run of such rows stops at once)."""
+    run = build_run(text(tmp_path, reduction=reduction).check(), "cpu")
     tokens = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="pair_total must be > 0"):
         run.objective(run.model, tokens, torch.tensor([2, 1]), prefix_start=0, generator=torch.Generator(),
                       pair_total=0.0, token_total=1.0, row_total=2)
+    with pytest.raises(ValueError, match="pair_total must be > 0"):
+        train(text(tmp_path, reduction=reduction, min_gap=100, steps=2))
 
 
 def test_grad_accum_resume_is_bitwise_exact(tmp_path):

@@ -358,7 +358,8 @@ class PreparedCorpus:
         tokenizer = load_tokenizer(tok_file)
         if vocabulary_size(tokenizer) != m["vocab_size"]:
             raise ValueError(f"{_shown(tok_file, True)}: {vocabulary_size(tokenizer)} ids, but {MANIFEST} says "
-                             f"vocab_size {m['vocab_size']}")
+                             f"vocab_size {m['vocab_size']} (a tokenizer whose ids skip numbers was counted short "
+                             f"before: tokenize the corpus again)")
         opath = path / files["offsets"]
         raw = opath.read_bytes()
         if hashlib.sha256(raw).hexdigest() != m["sha256"]["offsets"]:

@@ -105,12 +105,13 @@ def _text_files(paths) -> list[Path]:
             raise FileNotFoundError(f"no such file or folder: {_shown(p, True)}")
     # A file reached twice (a folder and a file in it, or overlapping folders) would put its
     # documents twice into the corpus, perhaps on both sides of the held-out split.
-    seen = set()
+    seen = {}
     for f in files:
         real = os.path.realpath(f)
         if real in seen:
-            raise ValueError(f"the data paths reach {_shown(f, True)} twice: they must not overlap")
-        seen.add(real)
+            raise ValueError(f"the data paths reach one file twice, as {_shown(seen[real], True)} and {_shown(f, True)}: "
+                             f"each file is read once (remove the overlap of the paths, or the link)")
+        seen[real] = f
     return files
 
 
@@ -312,8 +313,9 @@ def _text_only(tokenizer, where: str = "tokenizer"):
     special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     plain = [name for name in SPECIAL_TOKENS if name not in special]
     if plain:
-        raise ValueError(f"{where}: {', '.join(plain)} must be special added tokens (special=True, as train_bpe "
-                         "makes them): otherwise a document's text '<eos>' would encode as the EOS id")
+        raise ValueError(f"{where}: {', '.join(plain)} must be {'special added tokens' if len(plain) > 1 else 'a special added token'} "
+                         "(special=True, as train_bpe makes them): otherwise a document's text '<eos>' would "
+                         "encode as the EOS id")
     tokenizer.encode_special_tokens = True
     tokenizer.no_padding()
     tokenizer.no_truncation()
