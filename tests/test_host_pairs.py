@@ -156,6 +156,14 @@ def test_op_device_rule():
                                    torch.ones((), dtype=torch.float64))
 
 
+def _inputs(B, L, V, m=5):
+    """f, b, tokens and a two-layer TextHead of hidden 8, from seed 0."""
+    g = torch.Generator().manual_seed(0)
+    head = TextHead(m, V, hidden=8, n_layers=2)
+    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
+    return f, b, torch.randint(0, V, (B, L), generator=g), head
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_ce"])
 @pytest.mark.parametrize("bad", [40, 10**9, -1, -10**9])
 @pytest.mark.parametrize("pairs", [0.5, "explicit"])
@@ -166,11 +174,8 @@ def test_op_checks_the_tokens_after_its_kernels(bad, pairs, fused):
     the interpreter; the fused kernel only compares), and the error names the token as before."""
     pytest.importorskip("bst_fast._C")
     pytest.importorskip("triton")
-    g = torch.Generator().manual_seed(0)
-    B, L, m, V = 2, 11, 5, 40
-    head = TextHead(m, V, hidden=8, n_layers=2)
-    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
-    tokens = torch.randint(0, V, (B, L), generator=g)
+    B, L, V = 2, 11, 40
+    f, b, tokens, head = _inputs(B, L, V)
     tokens[1, 4] = bad
     if pairs == "explicit":
         pairs = (torch.tensor([1, 0]), torch.tensor([3, 0]), torch.tensor([6, 9]))  # (1, 3, 6) reads tokens[1, 4]
@@ -184,11 +189,8 @@ def test_a_sum_over_no_pair_still_checks_a_host_sets_tokens(pairs):
     """A sum over no pair returns 0 before the triton op runs, so the tokens the op would have
     checked (a host pair set's) are checked then: cpp raises for them, and so must triton."""
     pytest.importorskip("bst_fast._C")
-    g = torch.Generator().manual_seed(0)
-    B, L, m, V = 2, 9, 5, 7
-    head = TextHead(m, V, hidden=8, n_layers=2)
-    f, b = torch.randn(B, L, m, generator=g), torch.randn(B, L, m, generator=g)
-    tokens = torch.randint(0, V, (B, L), generator=g)
+    V = 7
+    f, b, tokens, head = _inputs(2, 9, V)
     tokens[1, 1] = V  # inside row 1's two valid positions
     if pairs == "empty":
         pairs = tuple(torch.zeros(0, dtype=torch.int64) for _ in range(3))
