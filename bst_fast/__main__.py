@@ -97,6 +97,11 @@ class _StarCodec:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special=True)
 
+    def show(self, ids):
+        """Every id by name, specials and PAD included: the generated tokens exactly as drawn (a
+        model that ends a path early draws <eos> among them, which decode would drop)."""
+        return " ".join(self.tok.decode([t]) or "<pad>" for t in ids)
+
 
 class _TextCodec:
     """BPE text <-> ids with the tokenizer.json the checkpoint carries (checked with its checksums):
@@ -149,6 +154,8 @@ def cmd_generate(args):
                                    ("--rollouts", args.rollouts, "plan")):
         if value is not None and search != applies:
             raise ValueError(f"{option} applies to --search {applies}, not {search}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {short(str(args.seed))}")
     if args.horizon is not None:
         horizon = args.horizon
     elif star:
@@ -181,7 +188,7 @@ def cmd_generate(args):
     if not star and codec.eos_id in new:
         new = new[:new.index(codec.eos_id)]
     print(f"prefix:    {codec.decode(prompt)}")
-    print(f"generated: {codec.decode(new)}")
+    print(f"generated: {codec.show(new) if star else codec.decode(new)}")
     if goal:
         print(f"suffix:    {codec.decode(goal)}")
     if score is not None:
@@ -309,7 +316,7 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:  # bad input: a config, an argument, a folder
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (OSError, RuntimeError, MemoryError, TypeError, KeyError, IndexError) as e:
+    except (OSError, RuntimeError, MemoryError, TypeError, KeyError, IndexError, ArithmeticError) as e:
         # a fault of the machine or the run (a full disk, a read-only folder, a size that does not fit,
         # a non-finite loss): one line, and the traceback only when asked for
         if os.environ.get("BST_FAST_TRACEBACK"):

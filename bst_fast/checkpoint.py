@@ -398,11 +398,11 @@ def find_checkpoint(path) -> Path:
 
 def load_model(path, device="cpu"):
     """(model, TrainConfig) from a checkpoint folder (or a run folder, taking its latest checkpoint),
-    its checksums and weights checked."""
+    its checksums and weights checked; the model in eval mode (dropout off), to decode or evaluate."""
     from .tasks import build_model
 
     path = find_checkpoint(path)
     cfg = read_config(path)
     model = build_model(cfg).to(device)
     load_checkpoint(path, model, verified=True)
-    return model, cfg
+    return model.eval(), cfg

@@ -120,7 +120,7 @@ class TrainConfig:
         except UnicodeDecodeError as e:
             raise ValueError(f"config {path} is not UTF-8 text: {e}") from None
         try:
-            d = load_yaml(text) if yaml_file else json.loads(text)
+            d = load_yaml(text) if yaml_file else load_json(text)
         except Exception as e:  # yaml's and json's parse errors alike
             raise ValueError(f"config {path} is not valid {'YAML' if yaml_file else 'JSON'}: {short(str(e), 500)}") from None
         if d is None:
@@ -209,8 +209,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 bad(name, "in [0, 1)")
-        if self.seed < 0:
-            bad("seed", ">= 0")
+        if not 0 <= self.seed < 2**40:  # the seeds drawn from it (seed * 1_000_003 + ...) stay in torch's 64 bits
+            bad("seed", "in [0, 2**40)")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "'auto', 'cpu' or 'cuda'")
         from .loss import BACKENDS
@@ -218,6 +218,9 @@ class TrainConfig:
         if self.backend not in BACKENDS:
             bad("backend", f"one of {BACKENDS}")
         self.model.check()
+        if self.model.gpt_head and self.gamma == 0:  # the trainer sets the head from gamma
+            raise ValueError("config field 'model.gpt_head' is true, but gamma is 0: a run trains the GPT head only "
+                             "with gamma > 0, which adds it (leave model.gpt_head false and set gamma)")
         return self
 
 
@@ -374,7 +377,33 @@ def load_yaml(text: str):
                     raise ValueError(f"more than {MAX_YAML_ALIASES} aliases (*name): refused, as a YAML bomb would be")
             return super().compose_node(parent, index)
 
+        def construct_mapping(self, node, deep=False):
+            # a key written twice: safe_load keeps the last silently (`steps: 5000` ... `steps: 50`);
+            # a merge (`<<: *base`) overriding a key is YAML's own rule and stays allowed
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise ValueError(f"the key {short(key)} appears twice in one mapping "
+                                         f"(line {key_node.start_mark.line + 1})")
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     return yaml.load(text, Loader=Loader)
+
+
+def load_json(text: str):
+    """json.loads, refusing an object that names a key twice (json keeps the last silently)."""
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"the key {short(twice[0])} appears twice in one object")
+        return dict(pairs)
+    return json.loads(text, object_pairs_hook=unique)
 
 
 ConfigLike = Union[TrainConfig, Mapping[str, Any], str, os.PathLike, None]
@@ -432,6 +461,8 @@ def apply_sets(cfg: TrainConfig, sets: Iterable[str]) -> TrainConfig:
             parsed = text  # as written: YAML would cut "runs/exp #2" at the '#', or read '~' as null
         elif re.fullmatch(r"[+-]?[0-9]+", text):
             parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
+        elif text in ("none", "None"):
+            parsed = None  # Python's spelling, as the fields' comments write it (YAML's is null or ~)
         else:
             try:
                 parsed = load_yaml(value)

@@ -17,6 +17,7 @@ encoder steps); tests implement it with hand-set probability tables.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -26,6 +27,24 @@ from torch import nn
 
 from ._checks import check_int
 from ._pairs import full_lengths
+
+
+def _inference(fn):
+    """A decoder run under torch.no_grad with the model (its first argument) in eval mode, so that
+    dropout does not make greedy decoding or beam search random; every submodule's own mode is
+    restored afterwards (a model handed over in training mode keeps training)."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+        if modes:
+            model.eval()
+        try:
+            with torch.no_grad():
+                return fn(model, *args, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+    return run
 
 
 def _ids(x, name="ids") -> torch.Tensor:
@@ -182,12 +201,13 @@ def _check_goal_room(model, goal):
 
 # ---------------------------------------------------------------- sampling
 
-@torch.no_grad()
+@_inference
 def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperature: float = 1.0,
            top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None,
            stop_token: Optional[int] = None):
-    """(B, P) prompts -> (B, n_new) tokens, KV-cached. temperature=0 is greedy; top_k keeps the k
-    most likely tokens before sampling. A BST reads the goal as suffix (default: the empty suffix).
+    """(B, P) prompts -> (B, n_new) tokens, KV-cached, the model in eval mode (as every decoder
+    here runs it). temperature=0 is greedy; top_k keeps the k most likely tokens (exactly k: ties
+    at the k-th broken by index) before sampling. A BST reads the goal as suffix (default: the empty suffix).
 
     stop_token: a row that draws it is finished; its later positions hold stop_token, and sampling
     ends once every row is. For a BST trained with meet pairs (docs/contract.md §8) this is the
@@ -220,8 +240,9 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
             z = logits.float()
             z = (z - z.max(-1, keepdim=True).values) / temperature
             if top_k is not None and top_k < z.shape[-1]:
-                kth = z.topk(top_k, dim=-1).values[..., -1:]
-                z = z.masked_fill(z < kth, float("-inf"))
+                # exactly k kept (a threshold at the k-th value would keep every token tied with it)
+                keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(top_k, dim=-1).indices, True)
+                z = z.masked_fill(~keep, float("-inf"))
             token = torch.multinomial(z.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(z.device)
         if stop_token is not None:
             token = token.masked_fill(done.to(token.device), stop_token)
@@ -243,7 +264,7 @@ class Plan(NamedTuple):
     scores: torch.Tensor            # (n,) log of the goal score of each candidate
 
 
-@torch.no_grad()
+@_inference
 def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id: Optional[int] = None,
          score_last: Optional[int] = None) -> Plan:
     """The paper's Algorithm 1 (goal-conditioned planning), or with an empty goal its unconditional
@@ -321,7 +342,7 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
 
 # ---------------------------------------------------------------- beam search
 
-@torch.no_grad()
+@_inference
 def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Optional[int] = None):
     """The paper's "Beam Search" algorithm: keep the `beams` most probable continuations at each
     depth, scored by the product of Next-head probabilities (a BST reads the goal as suffix; a FIM
@@ -355,7 +376,7 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
 
 # ---------------------------------------------------------------- belief states and probes
 
-@torch.no_grad()
+@_inference
 def belief_states(model, tokens, lengths=None):
     """f at the end of each row's prefix: (B, L) tokens, (B,) lengths (default: full rows) -> (B, m).
     Works for a BST and a forward-only model (both have `forward_encoder`)."""

@@ -189,6 +189,41 @@ def test_cli_set_follows_the_same_rules(tmp_path):
     assert "'stpes' is unknown" in run.stderr and "did you mean 'steps'" in run.stderr and "'batch_size'" in run.stderr
 
 
+@pytest.mark.parametrize("text, suffix", [("steps: 5000\nlr: 0.001\nsteps: 50\n", ".yaml"),
+                                          ("model:\n  n_layer: 8\n  d_model: 32\n  n_layer: 2\n", ".yaml"),
+                                          ('{"steps": 5000, "steps": 50}', ".json")])
+def test_a_config_key_written_twice_is_refused(tmp_path, text, suffix):
+    """YAML and JSON keep the last of two equal keys silently: `steps: 5000 ... steps: 50` trained 50."""
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"key '(steps|n_layer)' appears twice"):
+        TrainConfig.load(path)
+    merged = tmp_path / "merge.yaml"  # a merge key overriding its base stays YAML's own rule
+    merged.write_text("base: &b\n  n_layer: 8\nmodel:\n  <<: *b\n  n_layer: 2\n")
+    from bst_fast.config import load_yaml
+    assert load_yaml(merged.read_text())["model"]["n_layer"] == 2
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"seed": 2**40}, "seed"), ({"seed": 10**20}, "seed"),
+    ({"model.mlp_ratio": 1e308}, "mlp_ratio"), ({"model.mlp_ratio": 2**24}, "mlp_ratio"),
+    ({"model.gpt_head": True}, "model.gpt_head"),
+])
+def test_values_the_run_cannot_use_are_refused_naming_the_field(changes, field):
+    """Accepted before and failed later without naming the field (an overflow in torch's seed, in
+    the MLP's width), or silently replaced (gpt_head is set from gamma)."""
+    with pytest.raises(ValueError, match=re.escape(field)):
+        resolve_config(TINY, **changes).check()
+    assert resolve_config(TINY, seed=2**40 - 1, gamma=0.5, **{"model.gpt_head": True}).check()
+
+
+def test_set_reads_none_as_python_writes_it(tmp_path):
+    from bst_fast.config import apply_sets
+
+    cfg = apply_sets(resolve_config(TINY, max_gap=5), ["max_gap=none", "pairs=None", "out_dir=none"])
+    assert cfg.max_gap is None and cfg.pairs is None and cfg.out_dir == "none"
+
+
 # ---------------------------------------------------------------- packaging
 
 def test_cli_help_names_the_command():

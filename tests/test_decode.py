@@ -207,6 +207,36 @@ def test_top_k_sampling_stays_in_top_k():
     assert set(first.tolist()) <= set(allowed) and len(set(first.tolist())) == 2
 
 
+def test_top_k_keeps_exactly_k_of_tied_tokens():
+    """A threshold at the k-th logit kept every token tied with it: all equal logits and top_k=1
+    drew every token."""
+    model = tiny_bst()
+    with torch.no_grad():
+        model.head.layers[-1].weight.zero_()
+        model.head.layers[-1].bias.zero_()  # every Next logit 0: all tied
+    draws = decode.sample(model, torch.tensor([[4, 0, 1]] * 64), 1, EOS, top_k=1,
+                          generator=torch.Generator().manual_seed(0))
+    assert len(set(draws[:, 0].tolist())) == 1
+
+
+def test_decoders_run_the_model_in_eval_mode_and_restore_its_modes():
+    """With dropout 0.5 in training mode, greedy decoding and beam search were random (18 greedy
+    outputs of 20 differed); every decoder now runs in eval mode and hands the modes back."""
+    torch.manual_seed(0)
+    model = BeliefStateTransformer(ModelConfig(vocab_size=5, max_len=24, n_layer=2, d_model=16, n_head=2,
+                                               head_hidden=16, dropout=0.5))
+    model.head.eval()  # a submodule's own mode is kept
+    with torch.no_grad():
+        model.head.layers[-1].weight.mul_(30.0)
+    runs = [(decode.sample(model, [4, 0, 1], 4, EOS, temperature=0),
+             decode.beam_search(model, [4, 0, 1], 3, beams=3, eos_id=EOS),
+             decode.plan(model, [4, 0, 1], [2], horizon=2, rollouts=4, eos_id=EOS).scores,
+             decode.belief_states(model, [[4, 0, 1]])) for _ in range(3)]
+    flat = [[torch.as_tensor(x) for x in (g, *bs, p, f)] for g, bs, p, f in runs]
+    assert all(torch.equal(x, y) for other in flat[1:] for x, y in zip(flat[0], other))
+    assert model.training and model.forward_encoder.training and not model.head.training
+
+
 @pytest.mark.parametrize("kind", ["bst", "fim"])
 def test_beam_search_equals_exhaustive_search(kind):
     V, depth = 4, 3
@@ -380,11 +410,16 @@ def star_ckpt(tmp_path_factory):
     return out
 
 
-def test_generate_cli_star(star_ckpt, capsys):
+def test_generate_cli_star(star_ckpt, capsys, monkeypatch):
     prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
     assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"prefix:    {prefix}\ngenerated: ") and len(out.splitlines()[1].split()) == 4
+    # the tokens as drawn: an <eos> or <pad> among them is shown, not dropped ("generated: 4" for
+    # EOS, 4, EOS before)
+    monkeypatch.setattr(decode, "sample", lambda *a, **k: torch.tensor([[14, 4, 12]]))  # 12 nodes: PAD 12, EOS 14
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "generated: <eos> 4 <pad>"
     assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, "--suffix", "4",
                  "--rollouts", "3", "--horizon", "2"]) == 0
     out = capsys.readouterr().out
@@ -421,6 +456,7 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
                         (["--search", "plan", "--beams", "4"], "--beams applies to --search beam"),
                         (["--search", "beam", "--rollouts", "4"], "--rollouts applies to --search plan"),
                         (["--search", "greedy", "--seed", "1"], "--seed applies"),
+                        (["--search", "sample", "--seed", str(10**20)], "--seed must be in [0, 2**63)"),
                         # a suffix longer than the path: an error, not an empty answer
                         (["--suffix", "1 2 3 4 0 1 2 3 4"], "more than a path")):
         assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, *flags]) == 2, flags
