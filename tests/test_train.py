@@ -334,13 +334,21 @@ def test_table_pins_the_bst_row_and_checks_every_row_first(tmp_path, monkeypatch
     seen = []
     monkeypatch.setattr(trainer, "train", lambda cfg, **kw: seen.append(cfg) or {"path_accuracy": 1.0, "loss": 0.0})
     base = ["--config", str(TINY), "--set", f"out_dir={tmp_path}"]
+    # a --set of what each row sets is refused (it was replaced silently), --note without --out too
+    for flags, says in ((["--set", "next_weight=1.0"], "--set next_weight: table sets it in each row"),
+                        (["--set", "method=fim"], "--set method"), (["--note", "x"], "give --out too")):
+        assert main(["table", *base, *flags]) == 2 and says in capsys.readouterr().err
+    assert main(["star", *base, "--set", "method=fim"]) == 2 and "choose them with --methods" in capsys.readouterr().err
+    assert not seen
     # an ablated base config: the row labelled BST still trains the full BST
+    ablated = tmp_path / "ablated.yaml"
+    ablated.write_text(TINY.read_text() + "\nnext_weight: 1.0\n")
     out = tmp_path / "table.md"
-    assert main(["table", *base, "--set", "next_weight=1.0", "--set", "model.backward_encoder=false",
-                 "--out", str(out)]) == 0
+    assert main(["table", "--config", str(ablated), "--set", f"out_dir={tmp_path}", "--set",
+                 "model.n_layer=2", "--out", str(out)]) == 0
     rows = dict(zip([label for label, _ in TABLE_ROWS], seen))
     assert len(seen) == len(TABLE_ROWS)
-    assert rows["BST"].next_weight == 0.5 and rows["BST"].model.backward_encoder
+    assert rows["BST"].next_weight == 0.5 and rows["BST"].model.backward_encoder and rows["BST"].model.n_layer == 2
     assert rows["BST w/o Prev"].next_weight == 1.0 and not rows["BST w/o backward"].model.backward_encoder
     assert out.read_text().count("| 1.000 |") == len(TABLE_ROWS)
     # a row that cannot run (augment needs an intermediate node) fails before any row trains
