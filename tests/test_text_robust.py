@@ -251,3 +251,14 @@ def test_error_messages_are_bounded(tmp_path, good_json):
         with pytest.raises((ValueError, FileNotFoundError)) as info:
             call()
         assert len(str(info.value)) < 500, (k, str(info.value)[:300])
+
+
+def test_a_uint64_id_past_int64_is_named_as_written(tmp_path):
+    """2**64 - 1 in a uint64 .npy read as int64 was reported as "token id -1"."""
+    np = pytest.importorskip("numpy")
+    ids = np.array([[1, 5, 2], [1, 2**64 - 1, 2]], dtype=np.uint64)
+    np.save(tmp_path / "ids.npy", ids)
+    with pytest.raises(ValueError, match=rf"ids.npy: token id {2**64 - 1} at row 1, index 1 is outside any vocabulary"):
+        load_ids(tmp_path / "ids.npy")
+    np.save(tmp_path / "ok.npy", ids[:1])
+    assert [r.tolist() for r in load_ids(tmp_path / "ok.npy")] == [[1, 5, 2]]

@@ -379,6 +379,10 @@ def _as_rows(obj, source: str) -> list[np.ndarray]:
         if row.ndim != 1 or not (row.dtype.kind in "iu" or row.size == 0):
             raise ValueError(f"{source}: row {r} must be a 1-D sequence of integer ids, "
                              f"got dtype {row.dtype} and shape {row.shape}")
+        if row.dtype == np.uint64 and row.size and int(row.max()) >= 2**63:  # int64 would read it as negative
+            i = int(row.argmax())
+            raise ValueError(f"{source}: token id {int(row[i])} at row {r}, index {i} is outside any vocabulary "
+                             f"(ids are stored as int32)")
     return [row.astype(np.int64) for row in rows]
 
 
