@@ -43,29 +43,39 @@ def cmd_train(args):
     print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
 
 
-def _refuse_sets(args, fields, why):
-    """--set of a field the command chooses itself: an error, not a value silently replaced."""
-    named = [item.split("=", 1)[0].strip() for item in args.set or []]
-    taken = [f for f in fields if f in named]
-    if taken:
-        raise ValueError(f"--set {taken[0]}: {args.command} {why}")
+def _load_refusing(args, fields, why):
+    """_load, refusing a --set that changes a field the command chooses itself (in any form: a
+    dotted key or a mapping) instead of replacing the value silently."""
+    from .config import resolve_config
+
+    base = resolve_config(args.config).to_dict()
+    cfg = _load(args)
+    now = cfg.to_dict()
+    for field in fields:
+        keys = field.split(".")
+        old, new = base, now
+        for key in keys:
+            old, new = old[key], new[key]
+        if old != new:
+            raise ValueError(f"--set {field}: {args.command} {why}")
+    return cfg
 
 
 def cmd_star(args):
     from .experiments import star
 
-    _refuse_sets(args, ["method"], "trains each of --methods in turn (choose them with --methods)")
-    star(_load(args), args.methods, args.resume)
+    cfg = _load_refusing(args, ["method"], "trains each of --methods in turn (choose them with --methods)")
+    star(cfg, args.methods, args.resume)
 
 
 def cmd_table(args):
     from .experiments import TABLE_BASE, table
 
-    _refuse_sets(args, ["method", *TABLE_BASE], "sets it in each row (the rows are the paper's baselines and "
-                 "ablations); train one setting with the train command")
+    cfg = _load_refusing(args, ["method", *TABLE_BASE], "sets it in each row (the rows are the paper's baselines "
+                         "and ablations); train one setting with the train command")
     if args.note is not None and args.out is None:
         raise ValueError("--note is written above the table in --out: give --out too")
-    table(_load(args), args.resume, args.out, args.note)
+    table(cfg, args.resume, args.out, args.note)
 
 
 _RESUME_EACH = ("continue an interrupted job: each run from its latest checkpoint, a finished one "

@@ -377,20 +377,19 @@ def load_yaml(text: str):
                     raise ValueError(f"more than {MAX_YAML_ALIASES} aliases (*name): refused, as a YAML bomb would be")
             return super().compose_node(parent, index)
 
-        def construct_mapping(self, node, deep=False):
-            # a key written twice: safe_load keeps the last silently (`steps: 5000` ... `steps: 50`);
-            # a merge (`<<: *base`) overriding a key is YAML's own rule and stays allowed
+        def compose_mapping_node(self, anchor):
+            # a key written twice: safe_load keeps the last silently (`steps: 5000` ... `steps: 50`).
+            # Checked as written, before any merge (`<<: *base`, whose keys a mapping may override).
+            node = super().compose_mapping_node(anchor)
             seen = set()
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                if isinstance(key, (str, int, float, bool)) or key is None:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    key = (key_node.tag, key_node.value)
                     if key in seen:
-                        raise ValueError(f"the key {short(key)} appears twice in one mapping "
+                        raise ValueError(f"the key {short(key_node.value)} appears twice in one mapping "
                                          f"(line {key_node.start_mark.line + 1})")
                     seen.add(key)
-            return super().construct_mapping(node, deep=deep)
+            return node
 
     return yaml.load(text, Loader=Loader)
 
@@ -398,11 +397,12 @@ def load_yaml(text: str):
 def load_json(text: str):
     """json.loads, refusing an object that names a key twice (json keeps the last silently)."""
     def unique(pairs):
-        keys = [k for k, _ in pairs]
-        twice = sorted({k for k in keys if keys.count(k) > 1})
-        if twice:
-            raise ValueError(f"the key {short(twice[0])} appears twice in one object")
-        return dict(pairs)
+        d = dict(pairs)
+        if len(d) < len(pairs):
+            seen = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"the key {short(twice)} appears twice in one object")
+        return d
     return json.loads(text, object_pairs_hook=unique)
 
 

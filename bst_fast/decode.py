@@ -35,15 +35,18 @@ def _inference(fn):
     restored afterwards (a model handed over in training mode keeps training)."""
     @functools.wraps(fn)
     def run(model, *args, **kwargs):
-        modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+        module = model if isinstance(model, nn.Module) else getattr(model, "model", None)  # or a searcher's
+        modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
         if modes:
-            model.eval()
+            module.eval()
         try:
             with torch.no_grad():
                 return fn(model, *args, **kwargs)
         finally:
+            # train(mode), not the attribute: a module's own train() may do more; parents first, so
+            # each submodule ends in its own mode
             for m, training in modes:
-                m.training = training
+                m.train(training)
     return run
 
 
@@ -240,8 +243,10 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
             z = logits.float()
             z = (z - z.max(-1, keepdim=True).values) / temperature
             if top_k is not None and top_k < z.shape[-1]:
-                # exactly k kept (a threshold at the k-th value would keep every token tied with it)
-                keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(top_k, dim=-1).indices, True)
+                # exactly k kept, ties by the lower index (a stable sort; a threshold at the k-th value
+                # kept every token tied with it, and topk's choice among ties is its own)
+                order = torch.sort(z, dim=-1, descending=True, stable=True).indices[..., :top_k]
+                keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, order, True)
                 z = z.masked_fill(~keep, float("-inf"))
             token = torch.multinomial(z.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(z.device)
         if stop_token is not None:

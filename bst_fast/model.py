@@ -66,7 +66,8 @@ class ModelConfig:
             bad("n_layer", ">= 0")
         if self.d_model % self.n_head:
             bad("n_head", f"a divisor of d_model ({self.d_model})")
-        if not 0 < self.mlp_ratio * self.d_model <= 2**24:  # a finite MLP width, at most 16M units
+        width = self.mlp_ratio * self.d_model if self.d_model <= 2**24 else float("inf")  # no float overflow
+        if not 0 < width <= 2**24:  # a finite MLP width, at most 16M units
             bad("mlp_ratio", f"a number > 0 with mlp_ratio * d_model at most 2**24 (d_model {self.d_model})")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "in [0, 1)")

@@ -198,15 +198,18 @@ def test_a_config_key_written_twice_is_refused(tmp_path, text, suffix):
     path.write_text(text)
     with pytest.raises(ValueError, match=r"key '(steps|n_layer)' appears twice"):
         TrainConfig.load(path)
-    merged = tmp_path / "merge.yaml"  # a merge key overriding its base stays YAML's own rule
-    merged.write_text("base: &b\n  n_layer: 8\nmodel:\n  <<: *b\n  n_layer: 2\n")
     from bst_fast.config import load_yaml
-    assert load_yaml(merged.read_text())["model"]["n_layer"] == 2
+    # a merge key overriding its base stays YAML's own rule, nested merges too (an anchored mapping
+    # flattened in place once read as a duplicate)
+    assert load_yaml("base: &b\n  n_layer: 8\nmodel:\n  <<: *b\n  n_layer: 2\n")["model"]["n_layer"] == 2
+    nested = "base: &base {k: 1}\na:\n  b:\n    mid: &mid\n      <<: *base\n      k: 2\ntop:\n  <<: *mid\n"
+    assert load_yaml(nested)["top"] == {"k": 2}
 
 
 @pytest.mark.parametrize("changes, field", [
     ({"seed": 2**40}, "seed"), ({"seed": 10**20}, "seed"),
     ({"model.mlp_ratio": 1e308}, "mlp_ratio"), ({"model.mlp_ratio": 2**24}, "mlp_ratio"),
+    ({"model.d_model": 10**400, "model.n_head": 1}, "mlp_ratio"),  # its product overflowed a float
     ({"model.gpt_head": True}, "model.gpt_head"),
 ])
 def test_values_the_run_cannot_use_are_refused_naming_the_field(changes, field):

@@ -214,9 +214,10 @@ def test_top_k_keeps_exactly_k_of_tied_tokens():
     with torch.no_grad():
         model.head.layers[-1].weight.zero_()
         model.head.layers[-1].bias.zero_()  # every Next logit 0: all tied
-    draws = decode.sample(model, torch.tensor([[4, 0, 1]] * 64), 1, EOS, top_k=1,
-                          generator=torch.Generator().manual_seed(0))
-    assert len(set(draws[:, 0].tolist())) == 1
+    for k in (1, 2, 4):  # exactly k, the lowest indices among the tied (topk's own choice is not)
+        draws = decode.sample(model, torch.tensor([[4, 0, 1]] * 64), 1, EOS, top_k=k,
+                              generator=torch.Generator().manual_seed(0))
+        assert set(draws[:, 0].tolist()) == set(range(k))
 
 
 def test_decoders_run_the_model_in_eval_mode_and_restore_its_modes():
@@ -235,6 +236,10 @@ def test_decoders_run_the_model_in_eval_mode_and_restore_its_modes():
     flat = [[torch.as_tensor(x) for x in (g, *bs, p, f)] for g, bs, p, f in runs]
     assert all(torch.equal(x, y) for other in flat[1:] for x, y in zip(flat[0], other))
     assert model.training and model.forward_encoder.training and not model.head.training
+    # a searcher handed over in the model's place decodes in eval mode too
+    search = lambda: decode.searcher(model, EOS)
+    assert torch.equal(decode.sample(search(), [4, 0, 1], 4, EOS, temperature=0), runs[0][0])
+    assert model.training and not model.head.training
 
 
 @pytest.mark.parametrize("kind", ["bst", "fim"])

@@ -336,6 +336,7 @@ def test_table_pins_the_bst_row_and_checks_every_row_first(tmp_path, monkeypatch
     base = ["--config", str(TINY), "--set", f"out_dir={tmp_path}"]
     # a --set of what each row sets is refused (it was replaced silently), --note without --out too
     for flags, says in ((["--set", "next_weight=1.0"], "--set next_weight: table sets it in each row"),
+                        (["--set", "model={backward_encoder: false}"], "--set model.backward_encoder: table"),
                         (["--set", "method=fim"], "--set method"), (["--note", "x"], "give --out too")):
         assert main(["table", *base, *flags]) == 2 and says in capsys.readouterr().err
     assert main(["star", *base, "--set", "method=fim"]) == 2 and "choose them with --methods" in capsys.readouterr().err
