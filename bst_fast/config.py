@@ -79,7 +79,9 @@ class TrainConfig:
     min_gap: int = 2  # smallest j - i of a pair; 1 adds the adjacent ("meeting") pairs, labelled meet_token
     max_gap: Optional[int] = None  # largest j - i, inclusive (None: no bound); the official max_gap G is our G - 1
     meet_token: Optional[Union[int, str]] = None  # the gap-1 pairs' label: "eos" or an id (min_gap 1 needs it)
-    reduction: str = "mean"  # "mean" over all pairs of the batch, or "row_mean" (each row's mean, then the mean over rows)
+    # "mean" over all pairs of the batch, or "row_mean" (each row's mean, then the mean over rows): the
+    # BST's pair loss; a forward-only model's loss and the GPT head's (gamma) are token means either way
+    reduction: str = "mean"
     # --- optimisation ---
     steps: int = 2000  # optimizer steps
     batch_size: int = 64  # global batch (split over DDP ranks)
