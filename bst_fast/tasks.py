@@ -16,7 +16,6 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ._pairs import pair_counts
-from .checkpoint import verify
 from .config import TrainConfig
 from .decode import sample
 from .files import atomic_write
@@ -182,7 +181,6 @@ class TextTask:
             path = Path(resume_from) / TOKENIZER
             if not path.is_file():
                 raise ValueError(f"--resume: checkpoint {resume_from} holds no {TOKENIZER} (the run's tokenizer)")
-            verify(resume_from, only=TOKENIZER)  # a damaged one is named as such, not as a bad tokenizer
             saved = load_tokenizer(path)
         if cfg.tokenizer and not resume:
             try:

@@ -30,10 +30,11 @@ from torch.profiler import record_function
 
 from ._checks import short
 from ._pairs import to_device
-from .checkpoint import NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint
+from .checkpoint import (NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
+                         verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import Objective, build_model, build_task, model_config
+from .tasks import TOKENIZER, Objective, build_model, build_task, model_config
 
 
 class TrainingStopped(RuntimeError):
@@ -218,6 +219,8 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     `train` steps through (and bench/paper_speed.py times with `train_step`). `resume_from`: the
     checkpoint a resumed run continues from, checked against `cfg` (its weights are not loaded)."""
     torch.manual_seed(cfg.seed)
+    if resume_from is not None and (Path(resume_from) / TOKENIZER).is_file():
+        verify(resume_from, only=TOKENIZER)  # before the task reads it: damage is named as such, not as a bad tokenizer
     task = build_task(cfg, resume_from, rank)
     cfg = model_config(cfg, task)
     if resume_from is not None:
