@@ -47,7 +47,7 @@ def test_layout_matches_rows(d, l, n):
             assert tok.encode_row(*tok.parse(r)) == r.tolist()
 
 
-@pytest.mark.parametrize("d,l,n", [(2, 5, 50), (5, 5, 21), (2, 20, 50), (1, 3, 3)])
+@pytest.mark.parametrize("d,l,n", [(2, 5, 50), (5, 5, 21), (2, 20, 50), (1, 3, 3), (2, 5, 5000), (5, 20, 300)])
 def test_generator_validity(d, l, n):
     tok = StarGraphTokenizer(n)
     rows = generate_star_graphs(300, d, l, n, seed=1)
@@ -79,6 +79,27 @@ def test_generator_is_random_enough():
     # edges are shuffled: the first edge leaves s in about d / E of the rows
     frac = (rows[:, 1] == rows[:, e3 + 1]).mean()
     assert abs(frac - d / (d * (l - 1))) < 0.04
+
+
+def test_many_labels_are_drawn_uniformly_at_a_cost_of_k_a_row():
+    """Above 256 labels (and 2k), a row's labels are drawn one by one by rejection: shuffling all
+    N labels a row took 4.9 s and 877 MB for 4,000 rows at N = 20,000. Each label position is
+    uniform over the N labels, pairs of positions distinct; at the paper's N the draws are still
+    the row-wise shuffle's (the same graphs for every seed as before)."""
+    from bst_fast.data.star import _distinct_labels
+
+    n, k, N = 20_000, 5, 1000
+    labels = _distinct_labels(n, k, N, np.random.default_rng(3))
+    assert labels.min() >= 0 and labels.max() < N
+    assert (np.sort(labels, axis=1)[:, 1:] != np.sort(labels, axis=1)[:, :-1]).all()
+    for c in range(k):  # 10 bins of 2,000 expected each (sd about 42)
+        counts = np.bincount(labels[:, c] * 10 // N, minlength=10)
+        assert np.abs(counts - n / 10).max() < 200, (c, counts)
+    # the second label is uniform among the labels the first did not take: P(l1 > l0) = 1/2
+    assert abs((labels[:, 1] > labels[:, 0]).mean() - 0.5) < 0.02
+    rng, again = np.random.default_rng(4), np.random.default_rng(4)
+    assert np.array_equal(_distinct_labels(7, 9, 50, rng),
+                          again.permuted(np.broadcast_to(np.arange(50), (7, 50)), axis=1)[:, :9])
 
 
 def test_too_few_nodes():

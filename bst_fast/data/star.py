@@ -183,14 +183,33 @@ def _check_params(d: int, l: int, n_nodes: int):
         raise ValueError(f"n_nodes must be >= 1 + d*(l-1) = {need} for G({d}, {l}), got {n_nodes}")
 
 
+_SHUFFLE_MAX_NODES = 256  # above it (and above 2k), labels are drawn by rejection: cost k, not N, a row
+
+
+def _distinct_labels(n: int, k: int, n_nodes: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, k) int64: each row k distinct labels of 0..n_nodes-1, uniform in a uniform order."""
+    if n_nodes <= max(_SHUFFLE_MAX_NODES, 2 * k):
+        # Row-wise Fisher-Yates of 0..N-1: the first k entries (about 3x faster than argsort of
+        # random keys). Time and scratch grow with N a row, hence the bound.
+        return rng.permuted(np.broadcast_to(np.arange(n_nodes, dtype=np.int64), (n, n_nodes)), axis=1)[:, :k]
+    # Column by column, each label uniform among those its row has not used (a draw that repeats
+    # one is drawn again: at most half the labels are used, so under 2 draws a label on average)
+    labels = np.empty((n, k), dtype=np.int64)
+    for c in range(k):
+        col = rng.integers(0, n_nodes, size=n, dtype=np.int64)
+        redo = np.flatnonzero((labels[:, :c] == col[:, None]).any(axis=1))
+        while len(redo):
+            col[redo] = rng.integers(0, n_nodes, size=len(redo), dtype=np.int64)
+            redo = redo[(labels[redo, :c] == col[redo, None]).any(axis=1)]
+        labels[:, c] = col
+    return labels
+
+
 def sample_star_graphs(n: int, d: int, l: int, n_nodes: int, rng: np.random.Generator):
     """Draw n graphs at once. Returns (edges (n, E, 2), start (n,), goal (n,), path (n, l)), int64."""
     _check_params(d, l, n_nodes)
     k = 1 + d * (l - 1)
-    # Row-wise Fisher-Yates of 0..N-1: the first k entries are k distinct uniform labels in a
-    # uniform order (about 3x faster than argsort of random keys).
-    labels = rng.permuted(np.broadcast_to(np.arange(n_nodes, dtype=np.int64), (n, n_nodes)),
-                          axis=1)[:, :k]
+    labels = _distinct_labels(n, k, n_nodes, rng)
     start = labels[:, 0]
     # chains[:, a] = arm a as its l nodes, s first: (n, d, l)
     chains = np.empty((n, d, l), dtype=np.int64)
