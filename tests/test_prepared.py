@@ -263,7 +263,10 @@ def test_mixture_draws_rows_by_weight(two, tmp_path):
 
 def test_mixture_trains_and_resumes_from_a_yaml_list(two, tmp_path):
     yaml = tmp_path / "mix.yaml"
-    yaml.write_text(TINY.read_text() + f"data:\n  - [{two[0]}, 2]\n  - {two[1]}\nmax_len: 16\nsteps: 4\n"
+    # TINY's own steps, eval_every and ckpt_every left out: a key written twice is refused
+    base = "".join(line for line in TINY.read_text().splitlines(keepends=True)
+                   if line.split(":")[0] not in ("steps", "eval_every", "ckpt_every"))
+    yaml.write_text(base + f"data:\n  - [{two[0]}, 2]\n  - {two[1]}\nmax_len: 16\nsteps: 4\n"
                     f"eval_every: 2\nckpt_every: 2\nout_dir: {tmp_path / 'run'}\n")
     cfg = TrainConfig.load(yaml)
     assert cfg.data == [[str(two[0]), 2.0], [str(two[1]), 1.0]]
