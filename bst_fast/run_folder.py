@@ -129,11 +129,10 @@ class RunFolder:
         try:
             # The nearest existing folder on the way must be a folder: a file there is an error by name,
             # and so is a link that leads nowhere (claim's mkdir would fail on it after the setup).
-            there = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
-            if there is not None and not there.exists():
-                raise ValueError(f"out_dir {_cut(out)}: {_cut(there)} is a symbolic link to nothing (its target "
+            existing = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
+            if existing is not None and not existing.exists():
+                raise ValueError(f"out_dir {_cut(out)}: {_cut(existing)} is a symbolic link to nothing (its target "
                                  f"is missing, or the links loop)")
-            existing = next((p for p in (out, *out.parents) if p.exists()), None)
             if existing is not None and not existing.is_dir():
                 raise ValueError(f"out_dir {_cut(out)}: {_cut(existing)} is a file, not a folder")
             if not out.exists():

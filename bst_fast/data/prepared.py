@@ -356,8 +356,9 @@ class PreparedCorpus:
             raise ValueError(f"{_shown(tok_file, True)}: its SHA-256 does not match the fingerprint in {MANIFEST} "
                              f"(the tokenizer was changed after tokenising); tokenize the corpus again")
         tokenizer = load_tokenizer(tok_file)
-        if vocabulary_size(tokenizer) != m["vocab_size"]:
-            raise ValueError(f"{_shown(tok_file, True)}: {vocabulary_size(tokenizer)} ids, but {MANIFEST} says "
+        vocab = vocabulary_size(tokenizer)
+        if vocab != m["vocab_size"]:
+            raise ValueError(f"{_shown(tok_file, True)}: {vocab} ids, but {MANIFEST} says "
                              f"vocab_size {m['vocab_size']} (a tokenizer whose ids skip numbers was counted short "
                              f"before: tokenize the corpus again)")
         opath = path / files["offsets"]
