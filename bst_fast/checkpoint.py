@@ -71,10 +71,11 @@ def non_finite(tensors: Dict[str, torch.Tensor]) -> List[str]:
 
 
 def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig, keep: int, log=None,
-                    task=None, best: Optional[dict] = None) -> Path:
+                    task=None, best: Optional[dict] = None, logged: Optional[int] = None) -> Path:
     """out_dir/checkpoints/step-N, then `latest` names it, then older checkpoints beyond `keep` are
     pruned. `log`: the logging interval still open at `step` (each rank's loss sum and the steps in
-    it), when the run stops between two logged steps; `task`: writes its files (a text run's
+    it), when the run stops between two logged steps; `logged`: how many steps metrics.csv has rows
+    for (a resume checks that none went missing); `task`: writes its files (a text run's
     tokenizer) into the checkpoint. `best`: {"metric", "value", "step"} saves the run's best
     checkpoint instead, checkpoints/best (best.json records the figure), which `latest` never names
     and pruning never touches.
@@ -95,7 +96,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
         tmp.mkdir()
         save_file(weights, str(tmp / WEIGHTS))
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "log": log}, tmp / STATE)
+                    "log": log, "logged": logged}, tmp / STATE)
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
         if task is not None:
             task.save(tmp)
@@ -313,7 +314,8 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, verified: bool 
     """Loads weights (and optimizer and scheduler) after checking the checksums (unless `verified`:
     the caller just did), that every weight is finite and that shapes match the model; a damaged or
     mismatched checkpoint raises ValueError. Returns the training state: {"step": N, "log": the open
-    logging interval or None} ({"step": 0} without an optimizer)."""
+    logging interval or None, "logged": the count of logged steps or None} ({"step": 0} without an
+    optimizer)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -356,6 +358,10 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, verified: bool 
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"checkpoint {path} has a corrupt {STATE}: its step must be an int >= 0, "
                              f"got {short(repr(step))}")
+        logged = state.get("logged")  # absent from checkpoints of older versions
+        if logged is not None and (not isinstance(logged, int) or isinstance(logged, bool) or not 0 <= logged <= step):
+            raise ValueError(f"checkpoint {path} has a corrupt {STATE}: its count of logged steps must be an int "
+                             f"in [0, step {step}], got {short(repr(logged))}")
         if named is not None and step != named:
             raise ValueError(f"checkpoint {path} records step {step} in {STATE} but is named for step {named}: "
                              f"files of two checkpoints were mixed; it is not used")

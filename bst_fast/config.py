@@ -62,7 +62,9 @@ class TrainConfig:
     star_nodes: int = 50  # N: node labels to draw from
     n_train: int = 0  # fixed set of training graphs; 0 streams fresh graphs every step
     n_test: int = 500  # held-out graphs for path accuracy (never trained on)
-    augment_prob: float = 0.5  # method "augment": share of training rows whose goal becomes an intermediate node
+    # method "augment": share of training rows whose goal becomes an intermediate node (other methods
+    # leave it unused: `star` and `table` train every method from one config)
+    augment_prob: float = 0.5
     text_vocab: int = 1000  # BPE vocabulary for text data (the paper: 1000)
     tokenizer: str = ""  # raw text: a tokenizer.json to tokenise it with (its vocabulary sets the model's); "": train a BPE of text_vocab
     max_len: int = 256  # text rows hold at most this many tokens, BOS and EOS included; longer documents are cut
@@ -168,6 +170,12 @@ class TrainConfig:
             bad("pack", "false for star-graph data (a star graph fills its row: packing is for text documents)")
         if self.max_doc_tokens and self.data == "star":
             bad("max_doc_tokens", "0 for star-graph data (it drops long text documents)")
+        if self.data == "star":  # text fields a star-graph run would silently ignore
+            for name, why in (("text_vocab", "the star graph's labels set the vocabulary"),
+                              ("max_len", "a star graph's row length comes from star_degree and star_path_len")):
+                default = TrainConfig.__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    bad(name, f"its default {default} for star-graph data ({why}; it is a text field)")
         if self.data != "star" and self.text_vocab < 259:
             bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:

@@ -30,15 +30,18 @@ def _train_run(cfg, resume):
 def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
     prints their path accuracy side by side."""
-    rows = []
+    configs = []  # every method's config is checked before the first one trains (or prints)
     for method in methods:
         cfg = copy.deepcopy(base)
         cfg.method = method
         cfg.out_dir = str(Path(base.out_dir) / method)
-        print(f"== {method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
+        configs.append(cfg.check())
+    rows = []
+    for cfg in configs:
+        print(f"== {cfg.method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
               f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
         result = _train_run(cfg, resume)  # a reproduction reruns, unless resumed
-        rows.append((method, result))
+        rows.append((cfg.method, result))
     print("\n| method | path accuracy | final loss | steps/s |")
     print("| --- | --- | --- | --- |")
     for method, r in rows:

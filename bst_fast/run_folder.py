@@ -258,7 +258,7 @@ class RunFolder:
     def lock(self):
         """An exclusive lock on the folder for this process; a ValueError naming the holder's pid when
         another process holds it. The lock file is opened without following a link and must be a
-        regular file: the pid is never written through a link into someone's file."""
+        regular file with one name: the pid is never written through a link into someone's file."""
         path = self.path / LOCK
         fault = _kind_fault(path, folder=False)
         if fault:
@@ -270,9 +270,13 @@ class RunFolder:
                 raise ValueError(_kind_fault(path, folder=False) or f"{_cut(path)} is a symbolic link") from None
             raise
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
                                  f"or choose another out_dir")
+            if info.st_nlink != 1:  # a hard link (`cp -al` of a run folder): the pid would land in the other name
+                raise ValueError(f"{_cut(path)} has {info.st_nlink} names (a hard link), where the run writes its "
+                                 f"lock: delete it (it holds no state) and start again")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -367,12 +371,22 @@ class MetricsLog:
             except Exception:  # tensorboard is optional
                 self.tb = None
 
-    def truncate(self, step):
-        """Drop the rows after `step` (a resumed run logs them again) and any damaged row."""
-        if self.enabled and self.path.exists():
-            keep = [r for r in read_metrics(self.path) if int(r[0]) <= step]
+    def truncate(self, step, logged: Optional[int] = None) -> int:
+        """Drop the rows after `step` (a resumed run logs them again) and any damaged row; returns
+        how many steps keep rows. `logged`: how many the checkpoint at `step` counted (None: not
+        recorded); fewer is reported as a gap in the log (a cut, edited or deleted file)."""
+        if not self.enabled:
+            return 0
+        keep = [r for r in read_metrics(self.path) if int(r[0]) <= step] if self.path.exists() else []
+        if self.path.exists():
             text = "step,key,value\n" + "".join(",".join(r) + "\n" for r in keep)
             atomic_write(self.path, lambda p: p.write_text(text))
+        kept = len({int(r[0]) for r in keep})
+        if logged is not None and kept < logged:
+            print(f"warning: {_cut(self.path)} holds rows for {kept} of the {logged} steps the run logged up to "
+                  f"step {step}, its checkpoint: the other rows are lost (the file was cut, edited or deleted); "
+                  f"the log goes on from step {step + 1}", file=sys.stderr, flush=True)
+        return kept
 
     def log(self, step, row):
         if not self.enabled:

@@ -211,7 +211,7 @@ class TextTask:
                              "(a single document of a single row has none): no best checkpoint could be kept")
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
-        if rank == 0 and (cfg.pack or cfg.max_doc_tokens):
+        if rank == 0 and (cfg.pack or cfg.max_doc_tokens or self.data.dropped_when_tokenised):
             print(self.summary(cfg), file=sys.stderr, flush=True)
         # The config holds the corpus's path only: a resumed run must also find the same corpus
         # there, or its split (and so every batch and the held-out loss) would silently change.
@@ -238,11 +238,14 @@ class TextTask:
 
     def summary(self, cfg: TrainConfig) -> str:
         """The start-up line of max_doc_tokens and packing: documents dropped, padding saved."""
-        parts = []
+        parts, earlier = [], self.data.dropped_when_tokenised
+        earlier_text = f"{earlier} documents were dropped when the corpus was tokenised (its max_doc_tokens)"
         if cfg.max_doc_tokens:
             parts.append(f"max_doc_tokens: dropped {self.data.dropped_documents} of "
                          f"{self.data.dropped_documents + self.data.n_documents} documents longer than "
-                         f"{cfg.max_doc_tokens} tokens")
+                         f"{cfg.max_doc_tokens} tokens" + (f" ({earlier_text})" if earlier else ""))
+        elif earlier:
+            parts.append(earlier_text)
         if cfg.pack:
             before, after = self.data.padding(cfg.batch_size)
             rows = (f"{self.data.n_train} training rows of {cfg.max_len} tokens cut from one stream of documents"

@@ -132,6 +132,7 @@ class Run:
     # the open logging interval: loss sum and steps, and the rates' counts since it opened
     loss_sum: Optional[torch.Tensor] = None
     n_sum: int = 0
+    n_logged: int = 0  # steps metrics.csv has rows for (a checkpoint records it; a resume checks it)
     t0: float = 0.0
     tokens_seen: int = 0
     pairs_seen: float = 0.0
@@ -320,7 +321,8 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     run.net = DistributedDataParallel(model) if world > 1 else model
     run.metrics = MetricsLog(cfg.out_dir, rank == 0)
-    run.metrics.truncate(start)  # rows logged after the checkpoint we resume from are replayed
+    # rows logged after the checkpoint we resume from are replayed
+    run.n_logged = run.metrics.truncate(start, state.get("logged"))
     if cfg.progress and rank == 0:
         from tqdm import tqdm
 
@@ -356,7 +358,7 @@ def _save(run: Run, done: int, **kw) -> Path:
     naming the last good checkpoint."""
     try:
         return save_checkpoint(run.cfg.out_dir, done, run.model, run.optimizer, run.scheduler, run.cfg,
-                               task=run.task, **kw)
+                               task=run.task, logged=run.n_logged if run.rank == 0 else None, **kw)
     except NonFiniteWeights as e:
         raise TrainingStopped(f"training stopped at step {done}: {e}; the last good checkpoint is "
                               f"{run.last_good or 'none (no checkpoint was written yet)'}") from None
@@ -394,6 +396,7 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
         run.t0, run.tokens_seen, run.pairs_seen, run.n_timed = time.perf_counter(), 0, 0, 0
         if logged:
             run.metrics.log(done, row)
+            run.n_logged += 1
             run.n_sum = 0
             run.loss_sum.zero_()
     if ckpt_now or done == end:

@@ -191,6 +191,14 @@ def test_max_doc_tokens_drops_long_documents(corpus, tmp_path, capsys):
     assert f"dropped {m['dropped_documents']} documents longer than 20 tokens" in capsys.readouterr().out
     offsets = np.fromfile(out / "offsets.bin", dtype="<i8")
     assert np.diff(offsets).max() <= 20
+    # training on it names the documents the tokenising dropped, with or without its own max_doc_tokens
+    earlier = f"{m['dropped_documents']} documents were dropped when the corpus was tokenised"
+    for extra, line in (({}, earlier), ({"max_doc_tokens": 12}, "max_doc_tokens: dropped ")):
+        TextTask(tiny(tmp_path, data=str(out), max_len=24, **extra))
+        err = capsys.readouterr().err
+        assert line in err and earlier in err, err
+    kept = np.diff(offsets)
+    assert f"dropped {(kept > 12).sum()} of {len(kept)} documents longer than 12 tokens ({earlier}" in err
 
 
 def test_uint32_for_a_vocabulary_over_65536(tmp_path):

@@ -587,6 +587,48 @@ def test_a_linked_lock_file_is_never_written_through(tmp_path):
     assert victim.read_text() == "precious"
 
 
+def test_a_hard_linked_lock_file_is_never_written_through(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    victim = tmp_path / "v.txt"
+    victim.write_text("precious")
+    os.link(victim, d / LOCK)  # as `cp -al` of a run folder leaves it, or someone's file linked in
+    with pytest.raises(ValueError, match="2 names"):
+        train(tiny(d))
+    with pytest.raises(ValueError, match="2 names"):
+        RunFolder(d).lock()
+    assert victim.read_text() == "precious"
+    (d / LOCK).unlink()
+    train(tiny(d))
+    assert victim.read_text() == "precious"
+
+
+def test_a_hard_linked_metrics_file_is_not_appended_to_on_resume(run_copy, tmp_path):
+    d = run_copy
+    twin = tmp_path / "twin.csv"
+    os.link(d / "metrics.csv", twin)  # a `cp -al` backup of the run's metrics
+    before = twin.read_text()
+    train(tiny(d), resume=True, steps=8)
+    assert twin.read_text() == before and (d / "metrics.csv").read_text() != before
+
+
+@pytest.mark.parametrize("cut", ["rows", "file"])
+def test_a_resume_over_lost_metrics_rows_says_so(run_copy, capsys, cut):
+    d = run_copy  # logged at steps 2, 3, 4, 6 (log_every 2, eval and checkpoints every 3)
+    train(tiny(d), resume=True, stop_at=8, steps=10)
+    assert "warning" not in capsys.readouterr().err  # a resume over a whole log is quiet
+    rows = (d / "metrics.csv").read_text().splitlines()
+    if cut == "rows":  # the rows of step 4 deleted by hand
+        (d / "metrics.csv").write_text("\n".join(r for r in rows if not r.startswith("4,")) + "\n")
+    else:
+        (d / "metrics.csv").unlink()
+    train(tiny(d), resume=True, steps=10)
+    err = capsys.readouterr().err
+    assert f"holds rows for {4 if cut == 'rows' else 0} of the 5 steps the run logged up to step 8" in err
+    steps = {int(r.split(",")[0]) for r in (d / "metrics.csv").read_text().splitlines()[1:]}
+    assert steps == ({2, 3, 6, 8, 9, 10} if cut == "rows" else {9, 10})
+
+
 @pytest.mark.parametrize("name,kind", [("metrics.csv", "dir"), ("tokenizer.json", "dir"), ("data.json", "dir"),
                                        ("checkpoints/latest", "dir"), ("tensorboard", "file"),
                                        ("checkpoints/step-00000006", "link"),

@@ -220,8 +220,9 @@ def test_a_packed_run_resumes_bitwise_exactly(tmp_path, pack):
 
 
 @pytest.mark.parametrize("changes, field", [({"pack": True}, "pack"), ({"max_doc_tokens": 256}, "max_doc_tokens"),
-                                            ({"max_doc_tokens": -1}, "max_doc_tokens")])
-def test_pack_and_max_doc_tokens_on_star_graphs_are_clear_errors(tmp_path, changes, field):
+                                            ({"max_doc_tokens": -1}, "max_doc_tokens"),
+                                            ({"max_len": 258}, "max_len"), ({"text_vocab": 300}, "text_vocab")])
+def test_text_fields_on_star_graphs_are_clear_errors(tmp_path, changes, field):
     with pytest.raises(ValueError, match=f"'{field}' must be"):
         tiny(tmp_path, **changes).check()
 

@@ -186,6 +186,16 @@ def test_yaml_and_json_configs_load_the_same(tmp_path):
     assert TrainConfig.load(tmp_path / "c.json") == cfg
 
 
+def test_star_checks_every_config_before_it_prints_or_trains(tmp_path, capsys):
+    from bst_fast import experiments
+
+    cfg = TrainConfig.load(TINY)
+    cfg.steps, cfg.out_dir = 0, str(tmp_path / "s")
+    with pytest.raises(ValueError, match="'steps' must be >= 1"):
+        experiments.star(cfg)
+    assert capsys.readouterr().out == "" and not (tmp_path / "s").exists()
+
+
 def test_star_command_prints_both_accuracies(tmp_path):
     run = subprocess.run([sys.executable, "-m", "bst_fast", "star", "--config", str(TINY),
                           "--set", f"out_dir={tmp_path}"], capture_output=True, text=True)

@@ -564,6 +564,10 @@ class MixtureData(_Batches):
     def dropped_documents(self) -> int:
         return sum(p.dropped_documents for p in self.parts)
 
+    @property
+    def dropped_when_tokenised(self) -> int:
+        return sum(p.dropped_when_tokenised for p in self.parts)
+
     def padding(self, batch_size: int) -> tuple[float, float]:
         """TextData.padding, over every corpus's training rows, the corpora weighed by their rows
         (not by the mixture's weights)."""

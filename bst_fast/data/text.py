@@ -515,6 +515,12 @@ class TextData(_Batches):
 
     _prepared = None  # the PreparedCorpus of prepared.prepared_text_data
 
+    @property
+    def dropped_when_tokenised(self) -> int:
+        """Documents `bst-fast tokenize` dropped (its own max_doc_tokens) before a prepared corpus was
+        written; 0 for text (dropped_documents counts the drops of this object's max_doc_tokens)."""
+        return int(self._prepared.manifest.get("dropped_documents") or 0) if self._prepared is not None else 0
+
     def _build(self, flat, doc_lengths, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed,
                pack=False, max_doc_tokens=None, limit=None):
         """The rows of the documents `doc_lengths` of `flat`; limit: (vocab_size, source) when the
