@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One GPU run: build the C++ extension (the package imports it), time and check the levers not yet
-# timed on a GPU (the fused last layer, the hidden layers'), the paper's Table 3 with the project's
-# trainer (bench/paper_speed.py), then time the backends against the naive materialised objective at
-# the GPU issues' shapes, check them against float64, profile training steps and run the
-# cuda-marked tests. Everything lands in bench/results/ (or $RESULTS_DIR), named after the GPU
-# (paper_speed's table in <results>/<card slug>/paper_speed.{json,md}). Steps are ordered by what
-# matters most, each under its own timeout, and the whole run keeps to BUDGET seconds (default 570:
-# one 10-minute device call): a step's timeout is cut to what is left, and a step with under 30 s
-# left is skipped and named at the end (the steps' timeouts add up to far more than one call: a
-# default run gets through the build, the levers' steps and the paper's table; name others with
-# STEPS, or raise BUDGET where there is time).
+# One GPU run: build the C++ extension (the package imports it), the paper's Table 3 with the
+# project's trainer (bench/paper_speed.py), its BST columns also with the levers not yet timed on a
+# GPU (the fused last layer, the hidden layers') side by side in that process, the levers' float64
+# checks and timings alone, then the backends against the naive materialised objective at the GPU
+# issues' shapes, float64 checks, profiles of training steps and the cuda-marked tests. Everything
+# lands in bench/results/ (or $RESULTS_DIR), named after the GPU (paper_speed's table in
+# <results>/<card slug>/paper_speed.{json,md}). Steps are ordered by what matters most, each under
+# its own timeout, and the whole run keeps to BUDGET seconds (default 570: one 10-minute device
+# call): a step's timeout is cut to what is left, and a step with under 30 s left is skipped and
+# named at the end (the steps' timeouts add up to far more than one call: a default run gets through
+# the build, the paper's table and the levers' steps; name others with STEPS, or raise BUDGET where
+# there is time).
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
 #   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests
@@ -17,23 +18,24 @@
 #   BUDGET=1500 bash bench/gpu.sh                          # a longer run: every step
 #
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
-# ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off).
-# The untimed levers of issue 23, about 9 minutes (what the budget leaves of the last is cut):
-#   RESULTS_DIR=/tmp/r ARCHIVE=$OUT/results.tgz QUICK=1 \
-#       STEPS="check-fused paper-fused levers-paper lce" timeout 590 bash bench/gpu.sh
+# ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off;
+# where $OUT is set, ARCHIVE defaults to $OUT/results.tgz). Issue 23's table and levers, about
+# 9 minutes (what the budget leaves of the last is cut):
+#   RESULTS_DIR=/tmp/r QUICK=1 STEPS="paper check-fused levers-paper lce" timeout 590 bash bench/gpu.sh
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="lce check-fused levers-paper paper-fused paper paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper check-fused levers-paper lce paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
 name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
     echo "bench/gpu.sh: no CUDA device visible to torch" >&2; exit 1; }
 out=${RESULTS_DIR:-bench/results}
+[ -n "${OUT:-}" ] && [ -z "${ARCHIVE:-}" ] && ARCHIVE=$OUT/results.tgz  # the device tool brings back $OUT only
 quick=${QUICK:-0}
 budget=${BUDGET:-570}
 mkdir -p "$out"
@@ -48,7 +50,7 @@ step() {  # step <seconds> <log name> <command...>
     fi
     [ "$t" -gt "$left" ] && t=$left
     echo "== $name: $log (timeout ${t}s)"
-    timeout "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
+    timeout -k 10 "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
     if [ -n "${ARCHIVE:-}" ]; then  # written whole, then renamed: a kill never leaves half an archive
         # without the profiler's traces: a file over the device tool's 16 MiB would not come back
         tar czf "$ARCHIVE.part" --exclude='*.trace.json' -C "$out" . && mv "$ARCHIVE.part" "$ARCHIVE"
@@ -58,26 +60,23 @@ step() {  # step <seconds> <log name> <command...>
 # The C++ extension first, on every core: bst_fast imports it (the pair sampler and the CPU
 # engine), so no step runs without it. Incremental: quick where it is built already.
 echo "== $name: build"
-MAX_JOBS=$(nproc) timeout 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
+MAX_JOBS=$(nproc) timeout -k 10 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
     echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
-# The untimed levers first (issue 23; docs/backends.md "Levers"), the most decisive first: their
-# float64 checks, Table 3's BST columns with them, each lever alone, then the last layer's kernel alone.
+# The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
+# bst_fast.trainer.train_step at the paper's shape, 20 timed steps a column, first. Each BST column
+# runs again right after with the four untimed levers on (issue 23; docs/backends.md "Levers"), and
+# the subsampled ones with their pair list made on the device (host_pairs off, as before it was
+# built): side by side in one process (paper_speed.py --variant; the SwiGLU column takes
+# split_16bit alone: the torch backend).
+V4="fused=fused_ce=1,relu_in_gemm=1,hidden_sums=1,split_16bit=1"
+step 330 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug" --variant "$V4" \
+    --variant device-pairs=host_pairs=0
 # the float64 checks with fused_ce, relu_in_gemm, hidden_sums and split_16bit on (the cases' V = 101,
 # 3001, 64, 77 and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer
 # heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
 F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
 step 120 check-fused $F python3 bench/gpu_check.py cuda triton
-# Table 3's BST columns with the switches as they are, then with the four levers on ($F): side by side
-# in one run (the SwiGLU column takes split_16bit alone: the torch backend); last the improved column
-# with its subsample listed on the device (host_pairs off, as before it was built: compare its
-# pair-loss phase with the unfused run's, docs/backends.md "Host pair lists"), the first cut if time
-# runs short
-C="bst-original bst-improved bst-improved-swiglu"
-step 330 paper-fused bash -c "python3 bench/paper_speed.py --device cuda --shape paper --columns $C \
-    --out $out/$slug-unfused; $F python3 bench/paper_speed.py --device cuda --shape paper --columns $C \
-    --out $out/$slug-fused; BST_FAST_DEVICE_PAIR_LIST=1 python3 bench/paper_speed.py --device cuda --shape paper \
-    --columns bst-improved --out $out/$slug-device-pairs"
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
@@ -86,9 +85,6 @@ step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 
 # The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
 # column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
 step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
-# The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
-# bst_fast.trainer.train_step at the paper's shape: 20 timed steps a column.
-step 270 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug"
 # Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
 # the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 ...)
 step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \

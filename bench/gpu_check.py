@@ -53,7 +53,7 @@ def main(argv=None):
     names = _backend_names()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("backends", nargs="*", choices=names, help=f"only these (default: all of {names})")
+    ap.add_argument("backends", nargs="*", default=[], choices=names, help=f"only these (default: all of {names})")
     ap.add_argument("--levers", action="store_true",
                     help="run every case with the levers on: bias_in_gemm, ce_bias_sums, vocab_pad=128, "
                          "structured_sums, device_sampler")

@@ -43,8 +43,8 @@ becomes the default. The settings (LEVERS):
   (two host synchronisations, the draw's read of the lengths, device sorts) instead of on the host
   (docs/backends.md "Host pair lists"). Timed one call at a time, both rows include their host
   work; in a training step the host list is made while the GPU runs the encoders
-  (bench/paper_speed.py's pair-loss phase: gpu.sh's paper-fused step, its -device-pairs run against the
-  unfused one).
+  (bench/paper_speed.py's pair-loss phase: gpu.sh's paper step, its device-pairs variant against the
+  column with the switches in force).
 
 Every setting's loss and gradients are checked against the defaults' before timing (another
 sampler's at pairs=1.0, where it must draw all pairs, against the all-pairs defaults; float32

@@ -110,14 +110,18 @@ class PeakMemory:
             self.growth = max(self.peak, self._rss()) - self.base
 
 
-def timed(fn, device, reps):
+def timed(fn, device, reps, reset=None):
     """Median seconds of fn() over reps runs after one warm-up, and the peak memory growth of the
     first timed run: a warm one, so that what the libraries make once (cuBLAS's workspace for a
     thread that runs its first product, as the autograd engine's does in a backward) is not counted
-    as the loss's (until H100 run 1 the warm-up run was measured)."""
+    as the loss's (until H100 run 1 the warm-up run was measured). `reset()` runs between the
+    warm-up and the measured run: it frees what the warm-up left that the run makes anew (the
+    gradients), which the growth would otherwise leave out."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn()
     sync()
+    if reset is not None:
+        reset()
     times = []
     probe = PeakMemory(device)
     for k in range(max(1, reps)):
@@ -241,12 +245,16 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         print(f"  {method:<16} T={T:<5} {kind} {text}", flush=True)
         rows.append(dict(method=method, head=kind, T=T, layers=layers, V=V, note=text))
 
-    def record(method, fn, reps, pairs=n_pairs):
-        # No gradients held from the case before: the peak of each then counts its own.
+    def free_grads():
         f.grad = b.grad = None
         head.zero_grad(set_to_none=True)
+
+    def record(method, fn, reps, pairs=n_pairs):
+        # No gradients held from the case before, nor from the warm-up: the peak of each counts its
+        # own gradients (until stop 37 those of the warm-up were held under the baseline and left out).
+        free_grads()
         try:
-            sec, mem = timed(fn, dev, reps)
+            sec, mem = timed(fn, dev, reps, reset=free_grads)
         except torch.OutOfMemoryError:
             gc.collect()
             torch.cuda.empty_cache()

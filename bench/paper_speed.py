@@ -4,6 +4,7 @@
     python bench/paper_speed.py --shape tiny         # seconds on a CPU (the test's run)
     python bench/paper_speed.py --columns gpt bst-improved --steps 30 --trace /tmp/traces
     python bench/paper_speed.py --set model.head_hidden=768 --set model.head_layers=2   # any config field, every column
+    python bench/paper_speed.py --variant fused=fused_ce=1,relu_in_gemm=1   # each BST column again with these switches
 
 Every column is one TrainConfig stepped by `bst_fast.trainer.train_step`, the optimizer step
 `bst_fast.train` runs (forward and loss under the trainer's autocast, bf16 on a GPU; backward;
@@ -41,7 +42,10 @@ and the time of each phase, from marks at the record_function ranges of `train_s
 fused pair-loss backends compute the loss's gradient inside its forward, so "pair loss" holds
 both and "backward" is the encoders' backward (and the GPT head's). `--trace DIR` also profiles
 --profile-steps steps of each column with torch.profiler: DIR/<column>.trace.json (chrome trace)
-and DIR/<column>.txt (the top-op table). Results: bench/results/<card>/paper_speed.{json,md}
+and DIR/<column>.txt (the top-op table). `--variant` runs each BST column again, right after it in
+this process, under other runtime switches (each run after its own warm-up; `triton_compiles_timed`
+counts the kernels Triton compiled during a column's timed steps). Between columns torch.compile's
+caches are reset, so a compiled column never reuses another's graphs. Results: bench/results/<card>/paper_speed.{json,md}
 (<card>: the device's name as a slug, e.g. nvidia-h100-80gb-hbm3), or --out DIR; written after
 every column, so a run cut short keeps the columns it finished.
 
@@ -163,7 +167,7 @@ class SyntheticText:
     def __init__(self, vocab_size: int, T: int, seed: int = 0, pool: int = 4):
         if vocab_size < 4:
             raise ValueError(f"vocab_size must be >= 4 (PAD, BOS, EOS and one id), got {vocab_size}")
-        self.vocab_size, self.max_len, self.prefix_start = vocab_size, T + 2, 0
+        self.vocab_size, self.max_len, self.prefix_start, self.eos_id = vocab_size, T + 2, 0, 2
         self.seed, self.pool, self._rows = seed, pool, {}
 
     def rows(self, step: int, batch_size: int) -> Rows:
@@ -206,7 +210,7 @@ def build_column_run(cfg: TrainConfig, task, device: str) -> Run:
     optimizer, scheduler = build_optimizer(model, cfg)
     if cfg.compile:  # --set compile=true: the encoders compiled as train compiles them (the warm-up compiles)
         compile_encoders(model)
-    return Run(cfg, task, model, model, optimizer, scheduler, Objective.from_config(cfg), device, 1, 0)
+    return Run(cfg, task, model, model, optimizer, scheduler, Objective.from_config(cfg, task.eos_id), device, 1, 0)
 
 
 def synchronize(device: str):
@@ -373,9 +377,24 @@ def profile_steps(run: Run, first: int, n: int, trace_base: Path, record_shapes:
 
 
 def cleanup(device: str):
+    """Frees what a column held, and torch.compile's caches: Dynamo keeps its code cache across model
+    instances, so a later column of another batch size would recompile with a dynamic batch
+    dimension (a graph no `bst_fast.train` run compiles, its figures depending on the columns before)."""
     gc.collect()
+    torch.compiler.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def triton_cache_entries() -> Optional[int]:
+    """Kernels in Triton's on-disk cache (a folder each), or None where there is none: a count that
+    grows during the timed steps means a kernel compiled there (Triton specialises integer arguments
+    on their divisibility by 16, so a subsample's counts may meet a new variant late)."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        return sum(1 for _ in folder.iterdir())
+    except OSError:
+        return None
 
 
 def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, warmup: int,
@@ -393,9 +412,11 @@ def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, war
             train_step(run, step)
         synchronize(device)
     tokens0, pairs0 = run.tokens_seen, run.pairs_seen
+    kernels0 = triton_cache_entries()
     t0 = time.perf_counter()
     clock = timed_steps(run, warmup, steps)
     wall = time.perf_counter() - t0
+    kernels1 = triton_cache_entries()
     loss = float(train_step(run, warmup + steps))  # one more step, whose loss is read (a sync)
     tokens = (run.tokens_seen - tokens0) / (steps + 1)
     pairs = (run.pairs_seen - pairs0) / (steps + 1)
@@ -413,6 +434,9 @@ def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, war
         peak_mem_kind="cuda max_memory_allocated" if cuda else "cpu RSS growth (build + warm-up)",
         base_mem_mb=base_mb if cuda else None,
         params=sum(p.numel() for p in run.model.parameters()), loss=loss, phases_ms=phases,
+        # kernels Triton compiled during the timed steps (None: no cache folder): more than 0 means
+        # a timed step paid a compile; the median keeps it out, the whole loop's it/s does not
+        triton_compiles_timed=None if kernels0 is None or kernels1 is None else kernels1 - kernels0,
         config=run.cfg.to_dict(),
     )
     if cuda:
@@ -426,12 +450,43 @@ def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, war
     return out
 
 
+def parse_variant(text: str) -> Tuple[str, Dict[str, Any]]:
+    """--variant NAME=SWITCH=VALUE[,SWITCH=VALUE...] -> (NAME, Switches changes); a ValueError names
+    what is wrong. Values: 1/0 (true/false) for the on/off switches, an int (or none) for the others."""
+    name, sep, rest = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default":
+        raise ValueError(f"--variant {text!r}: expected NAME=SWITCH=VALUE[,SWITCH=VALUE...], NAME of letters, "
+                         f"digits, '_', '.' or '-' and not 'default'")
+    fields = {f.name: f for f in dataclasses.fields(runtime.Switches)}
+    changes: Dict[str, Any] = {}
+    for item in rest.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--variant {text!r}: {item!r} is not SWITCH=VALUE with SWITCH one of {sorted(fields)}")
+        if isinstance(getattr(runtime.Switches(), key), bool):
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"--variant {text!r}: {key} takes 1 or 0, got {value!r}")
+            changes[key] = value.lower() in ("1", "true")
+        elif value.lower() == "none":
+            changes[key] = None
+        else:
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--variant {text!r}: {key} takes an int, got {value!r}") from None
+    return name, changes
+
+
 def run_column(column: Column, cfg: TrainConfig, task, device: str, steps: int, warmup: int,
-               trace_dir: Optional[Path], profile_n: int) -> Dict[str, Any]:
-    """measure(), or the column with its error (the other columns still run)."""
-    head = dict(name=column.name, slug=column.slug, paper_it_per_s=column.paper_it_per_s,
-                predicted_it_per_s=column.predicted_it_per_s, error=None,
-                it_per_s=None, tokens_per_s=None, peak_mem_mb=None, phases_ms=None)
+               trace_dir: Optional[Path], profile_n: int, variant: Optional[str] = None) -> Dict[str, Any]:
+    """measure(), or the column with its error (the other columns still run). `variant`: the name of
+    the switches in force, when a --variant changed them."""
+    if variant is not None:
+        column = dataclasses.replace(column, name=f"{column.name} [{variant}]", slug=f"{column.slug}+{variant}")
+    head = dict(name=column.name, slug=column.slug, variant=variant, paper_it_per_s=column.paper_it_per_s,
+                predicted_it_per_s=None if variant else column.predicted_it_per_s, error=None,
+                it_per_s=None, tokens_per_s=None, peak_mem_mb=None, phases_ms=None,
+                switches=dataclasses.asdict(runtime.SWITCHES))
     print(f"== {column.name}", flush=True)
     try:
         result = {**head, **measure(column, cfg, task, device, steps, warmup, trace_dir, profile_n)}
@@ -468,7 +523,9 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
         f"{s['head_layers']} x {s['head_hidden']} relu; median of {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up steps, each through `bst_fast.trainer.train_step`."
         + (f" Config changes: `{' '.join(meta['sets'])}`." if meta["sets"] else "")
-        + _levers_line(meta["switches"]), "",
+        + _levers_line(meta["switches"])
+        + "".join(f" Variant `{n}`: each BST column run again right after, in this process, with `"
+                  + " ".join(f"{k}={v}" for k, v in c.items()) + "`." for n, c in meta.get("variants", {}).items()), "",
     ]
     if meta["device_type"] != "cuda":
         lines += [f"A CPU run (torch threads: {meta['threads']}): not comparable with the paper's H100 figures "
@@ -489,6 +546,12 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
                      f"{fmt(ratio, '.1f')}{'x' if ratio else ''} | {c['it_per_s_wall']:.3g} | "
                      f"{c['step_ms_median']:.1f} | {c['tokens_per_s']:.3g} | {fmt(c['peak_mem_mb'], '.0f')} | "
                      f"{c['tflops']:.3g} |")
+    by_slug = {c["slug"]: c for c in columns}
+    ratios = [f"{c['name']} {c['it_per_s'] / base['it_per_s']:.3f}x" for c in columns
+              if c.get("variant") and not c["error"]
+              and not (base := by_slug.get(c["slug"].split("+")[0], {})).get("error", True)]
+    if ratios:
+        lines += ["", "Each variant's it/s over its column's with the switches in force: " + ", ".join(ratios) + "."]
     lines += ["", "Phases, ms (medians over the timed steps; \"pair loss\" includes the loss's gradient, which the "
               "fused backends compute in the forward; \"rest of forward\" is the GPT's whole forward, the BST's "
               "row reversal and GPT head; \"other\": the batch, its copy to the device, zero_grad):", "",
@@ -520,6 +583,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="also write a torch.profiler trace of each column here")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps profiled per column with --trace")
+    ap.add_argument("--variant", dest="variants", action="append", default=[],
+                    metavar="NAME=SWITCH=VALUE[,SWITCH=VALUE]",
+                    help="also run each BST column with these runtime switches (docs/backends.md, Levers) right "
+                         "after its run with the switches in force: levers side by side in one process, e.g. "
+                         "--variant fused=fused_ce=1,relu_in_gemm=1 (the GPT column has no pair loss: once)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (on a shared CPU small shapes run faster on 1)")
     a = ap.parse_args(argv)
@@ -536,6 +604,12 @@ def main(argv=None) -> int:
     if steps < 1 or warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     columns = [c for c in COLUMNS if c.slug in a.columns]
+    try:
+        variants = [parse_variant(v) for v in a.variants]
+    except ValueError as e:
+        ap.error(str(e))
+    if len({n for n, _ in variants}) < len(variants):
+        ap.error("--variant: two variants have one name")
     base = base_config(shape, a.device, warmup + steps + 1 + a.profile_steps)
     try:  # every column's config first: a bad --set fails before anything runs
         configs = [column_config(c, base, a.sets) for c in columns]
@@ -561,21 +635,25 @@ def main(argv=None) -> int:
                 precision="bf16 autocast (the trainer's)" if a.device == "cuda" else "float32 (the trainer's)",
                 shape_name=shape_name, shape={k: v for k, v in shape.items() if k not in ("steps", "warmup")},
                 steps=steps, warmup=warmup, sets=a.sets, data="SyntheticText: random ids, every row full",
+                variants={n: c for n, c in variants},
                 switches=dataclasses.asdict(runtime.SWITCHES))  # the levers in force (docs/backends.md)
     print(f"device: {device}  torch {torch.__version__}  shape {shape_name}  {steps} timed steps after {warmup}",
           flush=True)
     task = SyntheticText(shape["vocab"], shape["T"])
     results: List[Dict[str, Any]] = []
     for column, cfg in zip(columns, configs):
-        results.append(run_column(column, cfg, task, a.device, steps, warmup, trace_dir, a.profile_steps))
-        r = results[-1]
-        if not r["error"]:
-            print(f"   {r['it_per_s']:.3g} it/s (whole loop {r['it_per_s_wall']:.3g}), "
-                  f"{r['tokens_per_s']:.3g} tokens/s, peak {fmt(r['peak_mem_mb'], '.0f')} MB, "
-                  f"{r['tflops']:.3g} TFLOP/s, loss {r['loss']:.4f}", flush=True)
-        # written after every column: a run cut short keeps what it finished
-        (out / "paper_speed.json").write_text(json.dumps(dict(meta, columns=results), indent=1))
-        (out / "paper_speed.md").write_text(markdown(meta, results))
+        for variant, changes in [(None, {})] + (variants if column.slug != "gpt" else []):
+            with runtime.switched(**changes):
+                results.append(run_column(column, cfg, task, a.device, steps, warmup, trace_dir, a.profile_steps,
+                                          variant))
+            r = results[-1]
+            if not r["error"]:
+                print(f"   {r['it_per_s']:.3g} it/s (whole loop {r['it_per_s_wall']:.3g}), "
+                      f"{r['tokens_per_s']:.3g} tokens/s, peak {fmt(r['peak_mem_mb'], '.0f')} MB, "
+                      f"{r['tflops']:.3g} TFLOP/s, loss {r['loss']:.4f}", flush=True)
+            # written after every column: a run cut short keeps what it finished
+            (out / "paper_speed.json").write_text(json.dumps(dict(meta, columns=results), indent=1))
+            (out / "paper_speed.md").write_text(markdown(meta, results))
     print("\n" + markdown(meta, results))
     print(f"wrote {out / 'paper_speed.json'} and {out / 'paper_speed.md'}")
     return 1 if any(r["error"] for r in results) else 0

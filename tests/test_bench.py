@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_SH = ROOT / "bench" / "gpu.sh"
@@ -20,9 +21,32 @@ def test_gpu_sh_knows_its_steps_and_refuses_others():
     assert sorted(defined) == sorted(listed) and len(set(defined)) == len(defined)
     recipe = re.search(r'STEPS="([^"]+)" timeout', text).group(1).split()
     assert set(recipe) <= set(listed)
+    # the paper's Table 3 first (issue 23), in the recipe too, with its levers beside it in one process
+    assert defined[0] == recipe[0] == listed[0] == "paper"
+    assert "--variant" in re.search(r"^step \d+ paper (.+?)\n(?!\s)", text, flags=re.M | re.S).group(1)
     run = subprocess.run(["bash", str(GPU_SH)], env={"STEPS": "heads hedas", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "unknown step 'hedas'" in run.stderr
+
+
+def test_pairs_bench_memory_counts_what_the_warm_up_left(monkeypatch):
+    """timed()'s growth counts the measured run's gradients although the warm-up's were alike: the
+    reset frees them before the baseline (before stop 37 the growth left them out)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_pairs_mem", ROOT / "bench" / "pairs.py")
+    pairs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, pairs)
+    spec.loader.exec_module(pairs)
+    held = {}
+
+    def step():  # a loss's backward: frees the last gradient, makes a new one of 200 MB
+        held["grad"] = None
+        held["grad"] = torch.ones(50 * 2**20)
+
+    _, kept = pairs.timed(step, "cpu", 1)
+    _, counted = pairs.timed(step, "cpu", 1, reset=lambda: held.clear())
+    assert counted > 150 * 2**20 > 50 * 2**20 > kept
 
 
 def test_pairs_bench_runs_every_cpu_backend_for_both_heads(tmp_path):
@@ -153,7 +177,7 @@ def test_paper_speed_runs_every_column_of_table_3_through_the_trainer(tmp_path):
         assert c["error"] is None, (name, c["error"])
         assert c["it_per_s"] > 0 and c["it_per_s_wall"] > 0 and len(c["step_ms"]) == 3
         assert c["tokens_per_s"] == pytest.approx(c["it_per_s"] * B * L)
-        assert c["peak_mem_mb"] is None or c["peak_mem_mb"] >= 0
+        assert isinstance(c["peak_mem_mb"], float) and c["peak_mem_kind"].startswith("cpu RSS growth")
         assert c["tflops"] > 0 and c["params"] > 0 and c["loss"] > 0
         p = c["phases_ms"]
         assert all(p[k] is not None and p[k] > 0 for k in ("forward", "backward", "optimizer", "step")), p
@@ -191,6 +215,64 @@ def test_paper_speed_compiles_the_encoders_as_train_does(monkeypatch):
             run = ps.build_column_run(ps.column_config(column, base, sets), task, "cpu")
             assert (compiled[-1] is run.model) if sets else (run.model not in compiled)
     assert len(compiled) == 2 and compiled[1].backward_encoder is not None
+
+
+def _paper_speed(monkeypatch, name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "paper_speed.py")
+    ps = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, ps)  # its dataclasses look their module up
+    spec.loader.exec_module(ps)
+    return ps
+
+
+def test_paper_speed_columns_reach_the_loss_as_the_paper_sets_them(monkeypatch):
+    """The objective each column's step hands belief_state_loss (not the trainer's pair counter):
+    2% of the pairs and lambda = 0 for the improved BST, all pairs and 0.5 for the original."""
+    import bst_fast.model as model_mod
+
+    ps = _paper_speed(monkeypatch, "_paper_speed_loss")
+    seen, real = [], model_mod.belief_state_loss
+    monkeypatch.setattr(model_mod, "belief_state_loss", lambda *a, **k: seen.append(k) or real(*a, **k))
+    base = ps.base_config(ps.SHAPES["tiny"], "cpu", 4)
+    task = ps.SyntheticText(1000, 32)
+    want = {"bst-original": (None, 0.5, False), "bst-improved": (0.02, 0.0, True)}
+    for column in ps.COLUMNS:
+        seen.clear()
+        run = ps.build_column_run(ps.column_config(column, base, []), task, "cpu")
+        ps.train_step(run, 0)
+        if column.slug == "gpt":
+            assert seen == [] and type(run.model).__name__ == "ForwardOnly"
+        elif column.slug in want:
+            pairs, next_weight, gpt = want[column.slug]
+            assert [(k["pairs"], k["next_weight"]) for k in seen] == [(pairs, next_weight)]
+            assert (run.model.gpt is not None) == gpt
+
+
+def test_paper_speed_variants_run_beside_their_column(tmp_path, monkeypatch):
+    ps = _paper_speed(monkeypatch, "_paper_speed_variants")
+    assert ps.parse_variant("f=fused_ce=1,triton_chunk_bytes=1000,window_rows=none") == \
+        ("f", {"fused_ce": True, "triton_chunk_bytes": 1000, "window_rows": None})
+    for bad, match in (("f", "expected NAME"), ("default=fused_ce=1", "not 'default'"), ("f=fusedce=1", "SWITCH one of"),
+                       ("f=fused_ce=2", "takes 1 or 0"), ("f=triton_chunk_bytes=big", "takes an int")):
+        with pytest.raises(ValueError, match=match):
+            ps.parse_variant(bad)
+    out = tmp_path / "v"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
+                          "--threads", "1", "--columns", "gpt", "bst-improved", "--variant", "dp=host_pairs=0",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    cols = json.loads((out / "paper_speed.json").read_text())["columns"]
+    assert [(c["name"], c["variant"]) for c in cols] == [("GPT", None), ("BST improved", None),
+                                                         ("BST improved [dp]", "dp")]
+    assert cols[1]["switches"]["host_pairs"] and not cols[2]["switches"]["host_pairs"]
+    assert all(c["error"] is None and c["it_per_s"] > 0 for c in cols)
+    assert isinstance(cols[2]["triton_compiles_timed"], (int, type(None)))
+    assert "BST improved [dp] " in (out / "paper_speed.md").read_text().split("over its column's")[1]
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
+                          "--variant", "x=nope=1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "nope" in bad.stderr and "==" not in bad.stdout
 
 
 def test_paper_speed_refuses_a_bad_set_before_running():
