@@ -179,7 +179,7 @@ class SyntheticText:
             self._rows[key] = rows
         return Rows(self._rows[key], torch.full((batch_size,), self.max_len, dtype=torch.long), None)
 
-    def evaluate(self, model, device):
+    def evaluate(self, model, device, world=1, rank=0):
         return {}
 
     def save(self, folder):

@@ -40,7 +40,10 @@ def cmd_train(args):
 
     cfg = _load(args)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
+    from .experiments import is_rank0
+
+    if is_rank0():  # every rank returns the same figures: printed once
+        print(json.dumps({k: round(v, 6) for k, v in result.items()}, indent=1))
 
 
 def _load_refusing(args, fields, why):

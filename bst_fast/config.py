@@ -90,7 +90,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches a rank's share is split into (their gradients add up to the batch's)
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # end of the cosine decay
-    warmup: int = 100  # linear warmup steps
+    warmup: int = 100  # linear warmup steps, then the cosine to min_lr (a run shorter than this never reaches lr)
     weight_decay: float = 0.1  # AdamW, on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -212,8 +212,8 @@ class TrainConfig:
         for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
             if not math.isfinite(getattr(self, name)):
                 bad(name, "a finite number")
-        if not self.lr > 0:
-            bad("lr", "> 0")
+        if not 0 < self.lr < 2.0**128:  # AdamW's float32 arithmetic: a larger lr overflows at its first step
+            bad("lr", "> 0 and < 2**128 (float32's range)")
         if not 0 <= self.min_lr <= self.lr:
             bad("min_lr", f"in [0, lr={self.lr}]")
         for name in ("beta1", "beta2"):

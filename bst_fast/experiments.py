@@ -19,6 +19,16 @@ from .checkpoint import latest_checkpoint
 from .config import TrainConfig, apply_sets
 
 
+def is_rank0() -> bool:
+    """Whether this process prints and writes a series' output: the only one, or rank 0 of torchrun's."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(*lines):
+    if is_rank0():
+        print(*lines, sep="\n", flush=True)
+
+
 def _train_run(cfg, resume):
     """One run of star or table. Without --resume it starts over; with it, a run continues from its
     checkpoint, a finished run reports its logged final figures, and a run that had not written a
@@ -38,17 +48,14 @@ def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
         configs.append(cfg.check())
     rows = []
     for cfg in configs:
-        print(f"== {cfg.method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
-              f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}", flush=True)
+        _say(f"== {cfg.method}: G({cfg.star_degree},{cfg.star_path_len}), N={cfg.star_nodes}, "
+             f"{cfg.model.n_layer} layers x {cfg.model.d_model}, {cfg.steps} steps of {cfg.batch_size}")
         result = _train_run(cfg, resume)  # a reproduction reruns, unless resumed
         rows.append((cfg.method, result))
-    print("\n| method | path accuracy | final loss | steps/s |")
-    print("| --- | --- | --- | --- |")
-    for method, r in rows:
-        print(f"| {method} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
-              f"{r.get('steps_per_s', float('nan')):.2f} |")
-    d = base.star_degree
-    print(f"\n(a forward-only model that learned only the 'flawed cheat' scores about 1/d = {1 / d:.3f})")
+    _say("\n| method | path accuracy | final loss | steps/s |", "| --- | --- | --- | --- |",
+         *(f"| {method} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
+           f"{r.get('steps_per_s', float('nan')):.2f} |" for method, r in rows),
+         f"\n(a forward-only model that learned only the 'flawed cheat' scores about 1/d = {1 / base.star_degree:.3f})")
 
 
 # The paper's star-graph figure: its four baselines, the BST and the two BST ablations.
@@ -112,7 +119,7 @@ def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, no
         rows.append((label, cfg))
     lines = []
     for label, cfg in rows:
-        print(f"== {label}", flush=True)
+        _say(f"== {label}")
         t0 = time.perf_counter()
         r = _train_run(cfg, resume)
         lines.append(f"| {label} | {r.get('path_accuracy', float('nan')):.3f} | {r.get('loss', float('nan')):.4f} | "
@@ -123,7 +130,7 @@ def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, no
         f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", "",
         "| method | path accuracy | final train loss | train time (s) |", "| --- | --- | --- | --- |", *lines, "",
         f"(guessing one arm at random scores 1/d = {1 / base.star_degree:.3f})"])
-    print("\n" + text)
-    if out:
+    _say("\n" + text)
+    if out and is_rank0():
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text((note + "\n\n" if note else "") + text + "\n")

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 
@@ -143,9 +143,12 @@ class StarTask:
         return out, lengths, starts
 
     @torch.no_grad()
-    def evaluate(self, model, device):
+    def evaluate(self, model, device, world: int = 1, rank: int = 0):
+        """Path accuracy over the test graphs; under DDP each rank decodes its share (rows rank::world)
+        and the counts are summed, so no rank waits on another's whole evaluation."""
         from .data import path_accuracy
 
+        rows = self.test_rows[rank::world]
         was = model.training
         model.eval()
         eos = self.tok.eos_id
@@ -155,9 +158,11 @@ class StarTask:
                 return model.generate(prefix.to(device), n_new).cpu()
             return sample(model, prefix.to(device), n_new, eos, temperature=0).cpu()
 
-        acc = path_accuracy(generate, self.test_rows, self.test_start, self.data.path_len)
+        acc = path_accuracy(generate, rows, self.test_start, self.data.path_len) if len(rows) else 0.0
         model.train(was)
-        return {"path_accuracy": float(acc[0] if isinstance(acc, tuple) else acc)}
+        right = round(float(acc) * len(rows))  # path_accuracy's fraction is right rows / rows
+        right, n = sum_over_ranks([right, len(rows)], device, world)
+        return {"path_accuracy": right / n}
 
 
 class TextTask:
@@ -263,7 +268,9 @@ class TextTask:
             yield Rows(tokens, lengths, None, *documents)
 
     @torch.no_grad()
-    def evaluate(self, model, device):
+    def evaluate(self, model, device, world: int = 1, rank: int = 0):
+        """The held-out loss over every held-out pair; under DDP each rank takes every world-th batch
+        and the losses (each normalised by the whole set's counts) are summed."""
         if not self.data.n_held_out:  # no held-out rows (one document of one row, or held_out 0): no figure
             return {}
         # Every batch is normalised by the whole held-out set's pair and token counts, so the
@@ -271,20 +278,36 @@ class TextTask:
         counts = [self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)
                   for r in self.held_out()]
         pair_total, token_total = (sum(c[k] for c in counts) for k in (0, 1))
+        # Every pair, whatever `pairs` subsamples in training: the figure keep_best compares is the
+        # held-out loss itself, not an estimate of it from one draw of pairs.
+        objective = dataclasses.replace(self.objective, pairs=None)
         was = model.training
         model.eval()
         loss = 0.0
         for k, r in enumerate(self.held_out()):
+            if k % world != rank:
+                continue
             documents = None if r.documents is None else r.documents.to(device)
-            out = self.objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
+            out = objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
                                  generator=torch.Generator().manual_seed(k), pair_total=pair_total,
                                  token_total=token_total, row_total=self.data.n_held_out, documents=documents)
             loss += float(out["total"])
         model.train(was)
-        return {"held_out_loss": loss}
+        return {"held_out_loss": sum_over_ranks([loss], device, world)[0]}
 
 
 Task = Union[StarTask, TextTask]
+
+
+def sum_over_ranks(values: List[float], device, world: int) -> List[float]:
+    """Each value summed over the DDP ranks (float64, on `device`: NCCL's tensors are the GPU's)."""
+    if world == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0) -> Task:

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from ._checks import short
 from ._pairs import to_device
-from .checkpoint import (NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
+from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
                          verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
@@ -39,6 +39,31 @@ from .tasks import TOKENIZER, Objective, build_model, build_task, model_config
 
 class TrainingStopped(RuntimeError):
     """A run stopped on a fault (a non-finite loss or weights); the message names the last good checkpoint."""
+
+
+def from_rank0(world: int, rank: int, work: Callable[[], Any]) -> Any:
+    """work() on rank 0 (the one that holds the run folder, evaluates and saves), its result given to
+    every rank, and its failure raised on every rank: a rank left running while rank 0 stopped would
+    wait in the next collective until its timeout (or die of a closed connection, naming nothing).
+    The other ranks raise the same type where it is one of the run's own faults, else a RuntimeError
+    naming it, with rank 0's message."""
+    if world == 1:
+        return work()
+    box: List[Any] = [None, None]
+    failed = None
+    if rank == 0:
+        try:
+            box[0] = work()
+        except BaseException as e:
+            failed, box[1] = e, (type(e).__name__, str(e))
+    dist.broadcast_object_list(box, src=0)
+    if failed is not None:
+        raise failed
+    if box[1] is not None:
+        name, message = box[1]
+        kind = {c.__name__: c for c in (TrainingStopped, CheckpointWriteError, ValueError, FileNotFoundError)}.get(name)
+        raise kind(message) if kind else RuntimeError(f"rank 0 stopped the run: {name}: {message}")
+    return box[0]
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -168,7 +193,8 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     whole batch's), clipping, AdamW and the schedule. Returns the loss (a 0-dim tensor, not synced)."""
     cfg = run.cfg
     # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
-    torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + run.rank)
+    # (a rank's term 2**44 apart: no rank meets another's seed of a later step; rank 0's is as before)
+    torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + run.rank * 2**44)
     batch = run.batch(step)
     run.optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros((), device=run.device)
@@ -179,7 +205,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         with contextlib.nullcontext() if sync else run.net.no_sync():
             # The phases are named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
             with record_function("forward"), autocast_for(run.device):
-                seed = cfg.seed * 7919 + step * 31 + run.rank + k * 1_000_000_007
+                seed = cfg.seed * 7919 + step * 31 + k * 1_000_000_007 + run.rank * 2**44
                 out = run.objective(run.net, part.tokens, part.lengths, prefix_start=part.prefix_start,
                                     generator=torch.Generator().manual_seed(seed), pair_total=part.pair_total,
                                     token_total=part.token_total, row_total=part.row_total, documents=part.documents)
@@ -245,16 +271,25 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
              device: str, world: int, rank: int):
     """_setup's checks, then (rank 0) the claim of the run folder: (run, start, end, loaded state),
     or the logged figures of a run already at its end."""
-    ckpt = folder.check(resume, overwrite)
+    def held_check():
+        # Locked before anything in it is read: a second process on a folder a run trains in stops
+        # here, naming the holder, not on a checkpoint the holder is pruning. Rank 0 alone reads the
+        # folder (another rank, later, would see what rank 0 wrote since) and gives every rank its
+        # checkpoint.
+        folder.hold()
+        return folder.check(resume, overwrite)
+
+    ckpt = from_rank0(world, rank, held_check)
     run = build_run(cfg, device, ckpt, world, rank)
     cfg, task, model, optimizer, scheduler = run.cfg, run.task, run.model, run.optimizer, run.scheduler
     state = {"step": 0} if ckpt is None else load_checkpoint(ckpt, model, optimizer, scheduler)
     start = state["step"]
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     if start >= end:  # a finished run (or one already past stop_at): reported, not an error
-        print(f"{cfg.out_dir}: the run is at step {start} (checkpoint {ckpt}), where this call stops "
-              f"({'steps' if stop_at is None or stop_at >= cfg.steps else 'stop_at'} = {end}): nothing to "
-              f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"{cfg.out_dir}: the run is at step {start} (checkpoint {ckpt}), where this call stops "
+                  f"({'steps' if stop_at is None or stop_at >= cfg.steps else 'stop_at'} = {end}): nothing to "
+                  f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
         return {"step": float(start), **logged_at(Path(cfg.out_dir), start)}
     if cfg.compile:
         # Compiled here, so that the first batch below compiles the training graph (with grad, as
@@ -267,13 +302,16 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
             run.objective(model, part.tokens, part.lengths, prefix_start=part.prefix_start, generator=torch.Generator(),
                           pair_total=part.pair_total, token_total=part.token_total, row_total=part.row_total,
                           documents=part.documents)
-    if rank == 0:
+
+    def claim():
         folder.claim()
         if folder.check(resume, overwrite) != ckpt:  # changed before the lock was taken
             raise ValueError(f"out_dir {short(cfg.out_dir)} changed while this run started; start it again")
         folder.start(new_run=ckpt is None)
         task.save(folder.path)
-        run.folder = folder
+
+    from_rank0(world, rank, claim)
+    run.folder = folder if rank == 0 else None
     return run, start, end, state
 
 
@@ -289,10 +327,6 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
         raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
     folder = RunFolder(cfg.out_dir)
     try:
-        if rank == 0:
-            # Locked before anything in it is read: a second process on a folder a run trains in
-            # stops here, naming the holder, not on a checkpoint the holder is pruning.
-            folder.hold()
         setup = _prepare(cfg, folder, resume, stop_at, overwrite, device, world, rank)
     except BaseException:
         folder.unlock()
@@ -327,7 +361,7 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
         from tqdm import tqdm
 
         run.bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
-    run.last_good = latest_checkpoint(cfg.out_dir) if rank == 0 else None
+    run.last_good = from_rank0(world, rank, lambda: latest_checkpoint(cfg.out_dir))  # named in every rank's faults
     run.best = best_so_far(cfg.out_dir, cfg.keep_best, start) if cfg.keep_best else None
     # An interval a stop_at left open comes back from the checkpoint, so the row that closes it is
     # the uninterrupted run's.
@@ -340,6 +374,14 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
             run.loss_sum.fill_(sum(sums) * world / len(sums))
     run.t0 = time.perf_counter()
     return run, start, end
+
+
+def _evaluate(run: Run, done: int, row: Dict[str, float]) -> Dict[str, float]:
+    """The task's evaluation after step `done` (each rank its share, summed), then checkpoints/best
+    (rank 0, its fault every rank's) when it is the best so far."""
+    figures = run.task.evaluate(run.model, run.device, run.world, run.rank)
+    from_rank0(run.world, run.rank, lambda: _keep_best(run, done, {**row, **figures}))
+    return figures
 
 
 def _keep_best(run: Run, done: int, row: Dict[str, float]):
@@ -386,9 +428,8 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
         dt = time.perf_counter() - run.t0
         row = {"loss": mean_loss, "lr": lr, "tokens_per_s": run.tokens_seen * run.world / dt,
                "pairs_per_s": run.pairs_seen * run.world / dt, "steps_per_s": run.n_timed / dt}
-        if eval_now and run.rank == 0:
-            row.update(run.task.evaluate(run.model, run.device))
-            _keep_best(run, done, row)
+        if eval_now:
+            row.update(_evaluate(run, done, row))
         run.result.update(row)
         if run.bar is not None:
             run.bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k != "lr"}, refresh=False)
@@ -406,8 +447,8 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
             if run.world > 1:
                 dist.all_gather(sums, run.loss_sum)
             open_log = {"loss_sum": [float(s) for s in sums], "n": run.n_sum}
-        if run.rank == 0:
-            run.last_good = _save(run, done, keep=cfg.keep_checkpoints, log=open_log)
+        run.last_good = from_rank0(run.world, run.rank,
+                                   lambda: _save(run, done, keep=cfg.keep_checkpoints, log=open_log))
 
 
 def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int] = None,

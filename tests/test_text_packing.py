@@ -315,3 +315,8 @@ def test_ddp_two_ranks_on_split_rows_equal_one_process(tmp_path):
             x, y = x[keep], y[keep]
         assert float((x - y).abs().max() / (y.abs().max() + 1e-12)) < 1e-5, name
     assert any(not torch.allclose(v, short.state_dict()[k]) for k, v in one.state_dict().items())
+
+    def held_out(run):  # the last step's evaluation: each DDP rank scored every other batch, summed
+        rows = [line.split(",") for line in (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]]
+        return [float(v) for s, k, v in rows if k == "held_out_loss"]
+    assert len(held_out("one")) == 1 and held_out("two") == pytest.approx(held_out("one"), rel=1e-5)

@@ -85,6 +85,43 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
         assert float((x - y).abs().max() / (y.abs().max() + 1e-12)) < 1e-5, name
 
 
+def test_ddp_ranks_agree_on_the_folder_and_on_rank_0_faults(tmp_path):
+    """Rank 0 alone reads the run folder and saves: a rank reaching the folder check after rank 0
+    wrote the run's files still starts, and weights that overflow at a save stop every rank with
+    rank 0's TrainingStopped (rank 1 used to wait in the next all-reduce)."""
+    legs = tmp_path / "legs.py"
+    legs.write_text(f"""
+import os, sys, time
+import torch.distributed as dist
+import bst_fast
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+if rank == 1:
+    time.sleep(3)  # rank 0 has checked, claimed and written the folder by now
+r = bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'late')!r}, ckpt_every=0)
+print(f"rank {{rank}} trained: path_accuracy {{r['path_accuracy']!r}}", flush=True)
+try:
+    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'nf')!r}, lr=3.4e38, beta1=0.0, min_lr=0.0,
+                   weight_decay=1.0, steps=3, ckpt_every=1, warmup=0)
+except bst_fast.TrainingStopped as e:
+    print(f"rank {{rank}} stopped: {{e}}", flush=True)
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", str(legs)]
+    run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    # each rank decoded half the test graphs; every rank holds the sum, one process's figure
+    from bst_fast.tasks import StarTask
+
+    model, cfg = load_model(tmp_path / "late")
+    want = StarTask(cfg).evaluate(model, "cpu")["path_accuracy"]
+    assert {f"rank 0 trained: path_accuracy {want!r}", f"rank 1 trained: path_accuracy {want!r}"} <= set(lines), \
+        (want, run.stdout)
+    stops = sorted(line.split(": ", 1)[1] for line in lines if " stopped: " in line)
+    assert len(stops) == 2 and stops[0] == stops[1] and "the last good checkpoint is" in stops[0], run.stdout
+
+
 def test_checkpoints_are_kept_and_named(tmp_path):
     train(tiny(tmp_path, steps=6, ckpt_every=2, keep_checkpoints=2))
     root = tmp_path / "checkpoints"
@@ -381,13 +418,13 @@ def test_text_resume_checks_the_corpus_and_held_out_loss_ignores_batching(tmp_pa
     with pytest.raises(ValueError, match="'text_vocab'"):
         train(tiny(tmp_path / "other", **{**text, "text_vocab": 100}))
 
-    # The held-out loss is the mean over every held-out pair: the evaluation's batch size (the
-    # training batch size) does not change it.
+    # The held-out loss is the mean over every held-out pair: neither the evaluation's batch size (the
+    # training batch size) nor a training subsample of pairs changes it.
     from bst_fast.tasks import TextTask as _TextTask
     model, cfg = load_model(tmp_path / "run")
     figures = []
-    for batch_size in (1, 3, 64):
-        task = _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "batch_size": batch_size, "pairs": None,
+    for batch_size, pairs in ((1, None), (3, None), (64, None), (3, 0.3), (64, 0.05)):
+        task = _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "batch_size": batch_size, "pairs": pairs,
                                                 "out_dir": str(tmp_path / "eval")}))
         figures.append(task.evaluate(model, "cpu")["held_out_loss"])
     assert max(figures) - min(figures) < 1e-5 * figures[0], figures

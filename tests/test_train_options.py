@@ -167,7 +167,7 @@ def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monke
     from bst_fast import tasks
 
     figures = iter([0.2, 0.6, 0.4, 0.5, 0.9] + [0.0] * 9)
-    monkeypatch.setattr(tasks.StarTask, "evaluate", lambda self, model, device: {"path_accuracy": next(figures)})
+    monkeypatch.setattr(tasks.StarTask, "evaluate", lambda self, model, device, world=1, rank=0: {"path_accuracy": next(figures)})
     d = tmp_path / "b"
     opts = dict(steps=10, eval_every=2, ckpt_every=2, keep_checkpoints=1, keep_best="path_accuracy")
     train(tiny(d, **opts), stop_at=6)
