@@ -606,7 +606,9 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if bounds is not None:  # §10: j in the suffix run of prefix i's document
             ic = i.clamp(0, L - 1)
             ok = ok & (j >= bounds[0][rc, ic]) & (j <= bounds[1][rc, ic])
-        if checking and not bool(ok.all()):
+        # The op repeats the §2 check under a compiled graph, but it never sees the documents:
+        # listed pairs across documents are checked here in either mode (one sync).
+        if (checking or bounds is not None) and not bool(ok.all()):
             k = int((~ok).nonzero()[0])
             _fail(ValueError, f"pairs[{k}] = (row={int(row[k])}, i={int(i[k])}, j={int(j[k])}) is not a valid pair: "
                               f"docs/contract.md §2 needs 0 <= row < {B}, prefix_start <= i and "

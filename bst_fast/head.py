@@ -137,6 +137,26 @@ class TextHead(nn.Module):
         return f"activation={self.activation!r}"
 
 
+def text_head_changes(head: TextHead) -> Optional[str]:
+    """What makes a TextHead compute other than its layers' weights and biases say, or None: a
+    subclass's own forward (or the methods the split uses), a layer that is not a plain nn.Linear
+    with a bias (an adapter, a LoRA wrapper), a forward hook. The fused backends and TextHead's own
+    pair_parts read the weights and biases alone, so such a head goes through the head as a whole."""
+    for name in ("forward", "pair_parts", "first_layer_states", "_after_first_layer"):
+        if getattr(type(head), name) is not getattr(TextHead, name):
+            return f"{type(head).__name__} overrides TextHead.{name}"
+    for k, layer in enumerate(head.layers):
+        if type(layer) is not nn.Linear:
+            return f"layers[{k}] is a {type(layer).__name__}, not an nn.Linear"
+        if layer.bias is None:
+            return f"layers[{k}] has no bias"
+    if head.layers[-1].out_features != 2 * head.vocab_size:
+        return f"layers[-1] gives {head.layers[-1].out_features} logits, not 2 * vocab_size = {2 * head.vocab_size}"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
+        return "a forward hook is registered on it"
+    return None
+
+
 def split_linear(linear: nn.Linear, f: torch.Tensor, b: torch.Tensor, lengths: Optional[torch.Tensor] = None,
                  compute: Optional[torch.dtype] = None):
     """A Linear over [f ; b] as per-position parts (docs/contract.md §3): (f W_f^T + c, b W_b^T),

@@ -29,6 +29,9 @@ def run(f, b, tokens, head, p: Pairs, options):
         row, i, j, weight = p.row, p.i, p.j, p.weight
     x = torch.cat([f[row, i], b[row, j]], dim=-1)  # (pairs, 2m)
     logits = head(x)  # (pairs, 2V)
+    if logits.shape != (x.shape[0], 2 * vocab_size):  # as the torch backend checks it
+        raise ValueError(f"the head must map (n, 2m) to (n, 2V) = ({x.shape[0]}, {2 * vocab_size}), "
+                         f"got {tuple(logits.shape)}")
     acc = torch.float64 if f.dtype == torch.float64 else torch.float32
     logits = logits.to(acc)
     y_next, y_prev = labels(tokens, row, i, j, p.meet_token)

@@ -244,8 +244,15 @@ def test_bad_documents(bad, error, backend):
         belief_state_loss(f, b, tokens, head, lengths=torch.tensor(LENGTHS), documents=bad(documents), backend=backend)
 
 
-def test_listed_pair_across_documents_is_refused():
+@pytest.mark.parametrize("compiling", [False, True])
+def test_listed_pair_across_documents_is_refused(monkeypatch, compiling):
+    """Also under torch.compile, where the op repeats the other checks but never sees the documents
+    (review helper-36: the compiled cpp call computed a loss over the pair)."""
     f, b, tokens, head, documents = inputs("ids")
+    f, b, head = f.float(), b.float(), head.float()  # cpp's dtype
     pairs = (torch.tensor([0]), torch.tensor([2]), torch.tensor([5]))  # ids 0 and 1
-    with pytest.raises(ValueError, match="i and j in one document"):
-        belief_state_loss(f, b, tokens, head, lengths=torch.tensor(LENGTHS), documents=documents, pairs=pairs)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    for backend in ("cpp", "torch"):
+        with pytest.raises(ValueError, match="i and j in one document"):
+            belief_state_loss(f, b, tokens, head, lengths=torch.tensor(LENGTHS), documents=documents, pairs=pairs,
+                              backend=backend)

@@ -1498,3 +1498,72 @@ class _Fixed:
 
     def __init__(self, weight, bias):
         self.weight, self.bias = weight, bias
+
+
+# ---- a TextHead that computes other than its weights say (review helper-36)
+
+class _Scaled(TextHead):
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+class _LoRALinear(nn.Linear):
+    def __init__(self, a, o):
+        super().__init__(a, o)
+        self.A, self.B = nn.Parameter(torch.randn(2, a)), nn.Parameter(torch.randn(o, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.A.t() @ self.B.t()
+
+
+def _changed_head(kind):
+    torch.manual_seed(3)
+    if kind == "subclass":
+        return _Scaled(3, 5, hidden=4)
+    h = TextHead(3, 5, hidden=4)
+    if kind == "lora":
+        h.layers[0], h.layers[1] = _LoRALinear(6, 4), _LoRALinear(4, 10)
+    elif kind == "no bias":
+        h.layers[1] = nn.Linear(4, 10, bias=False)
+    else:
+        h.layers[1].register_forward_hook(lambda module, inputs, out: 3.0 * out)
+    return h
+
+
+@pytest.mark.parametrize("kind,why", [("subclass", "overrides TextHead.forward"), ("lora", "layers\\[0\\] is a _LoRALinear"),
+                                      ("no bias", "layers\\[1\\] has no bias"), ("hook", "forward hook")])
+def test_a_text_head_computing_other_than_its_weights_runs_whole(kind, why):
+    """The fused backends read a TextHead's weights and biases: a subclass's forward, a wrapped or
+    bias-less layer or a hook made them compute another loss silently (cpp/triton/auto, and torch's
+    split). auto and torch now run the head itself; cpp and triton refuse, naming why."""
+    from bst_fast.backends.pair_loss_op import fused_problem
+
+    head = _changed_head(kind)
+    torch.manual_seed(4)
+    f, b = torch.randn(2, 7, 3, dtype=torch.float64), torch.randn(2, 7, 3, dtype=torch.float64)
+    tokens = torch.randint(0, 5, (2, 7))
+    want, want_grads = loss_and_grads(f, b, tokens, copy.deepcopy(head).double(), 1.0, backend="reference")
+    for backend in ("auto", "torch"):
+        got, grads = loss_and_grads(f.float(), b.float(), tokens, copy.deepcopy(head), 1.0, backend=backend)
+        assert abs(float(got) - float(want)) < 1e-5 * abs(float(want)), (backend, got, want)
+        assert set(grads) == set(want_grads) and len(grads) == 2 + len(list(head.parameters()))
+        for name, w in want_grads.items():
+            assert grads[name] is not None and torch.allclose(grads[name].double(), w, rtol=1e-4, atol=1e-5), \
+                (backend, name)
+    with pytest.raises(ValueError, match=f"backend='cpp' computes a TextHead.*{why}.*backend='torch'"):
+        belief_state_loss(f.float(), b.float(), tokens, head, backend="cpp")
+    assert why.replace("\\", "") in fused_problem("triton", head, torch.float32)
+
+
+def test_a_head_whose_width_is_not_twice_its_vocabulary_is_refused_by_every_backend():
+    """A head's 2V logits are split at vocab_size: one of another width was sliced silently by the
+    reference (and cpp took V from the layer, so the two disagreed)."""
+    torch.manual_seed(5)
+    f, b, tokens = torch.randn(2, 7, 3), torch.randn(2, 7, 3), torch.randint(0, 5, (2, 7))
+    head = TextHead(3, 5, hidden=4)
+    head.layers[1] = nn.Linear(4, 12)
+    for backend in ("reference", "torch", "auto"):
+        with pytest.raises(ValueError, match=r"must map \(n, 2m\) to \(n, 2V\) = \(\d+, 10\), got \(\d+, 12\)"):
+            belief_state_loss(f, b, tokens, head, backend=backend)
+    with pytest.raises(ValueError, match="layers\\[-1\\] gives 12 logits, not 2 \\* vocab_size = 10"):
+        belief_state_loss(f, b, tokens, head, backend="cpp")

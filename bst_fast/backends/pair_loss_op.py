@@ -27,14 +27,18 @@ from typing import Optional
 import torch
 
 from .. import _pairs
-from ..head import TextHead
+from ..head import TextHead, text_head_changes
 
 
 def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
     """Why the fused engine `name` cannot take this head and dtype (None if it can): it computes a
-    TextHead in 32 or 16 bits."""
+    TextHead, from its layers' weights and biases alone, in 32 or 16 bits."""
     if not isinstance(head, TextHead):
         return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
+    changed = text_head_changes(head)
+    if changed:
+        return (f"backend={name!r} computes a TextHead from its layers' weights and biases, but {changed}; "
+                f"use backend='torch', which runs the head itself")
     if dtype == torch.float64:
         return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
                 "'torch' or 'reference'")

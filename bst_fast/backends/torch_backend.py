@@ -70,7 +70,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from .._pairs import Pairs, pair_list
-from ..head import PairParts, concat_parts, swiglu
+from ..head import PairParts, TextHead, concat_parts, swiglu, text_head_changes
 from . import pair_loss_op, runtime
 from .pair_loss_op import no_double_backward
 from .runtime import LossOptions, Switches, on_device
@@ -528,7 +528,10 @@ def _concat_parts(head):
 
 def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), a chunk of pairs at a time."""
-    split = getattr(head, "pair_parts", None) or _concat_parts(head)
+    split = getattr(head, "pair_parts", None)
+    if isinstance(head, TextHead) and type(head).pair_parts is TextHead.pair_parts and text_head_changes(head):
+        split = None  # TextHead's split reads the weights alone, which no longer say what this head computes
+    split = split or _concat_parts(head)
     call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled())
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
         return _ChunkedLoss.apply(call, f, b, *head.parameters())
