@@ -153,6 +153,8 @@ COLUMNS = (
     Column("BST improved, SwiGLU head", "bst-improved-swiglu", None, (4.3, 5.3),
            {**_IMPROVED, "model.head_type": "swiglu"}),
 )
+# runtime switches that only change a subsampled pair set (pairs < 1): no variant of them alone on all pairs
+SUBSAMPLE_SWITCHES = {"host_pairs", "device_sampler"}
 PHASES = ("encoders", "pair_loss", "forward_rest", "backward", "optimizer", "other")
 
 
@@ -587,7 +589,8 @@ def main(argv=None) -> int:
                     metavar="NAME=SWITCH=VALUE[,SWITCH=VALUE]",
                     help="also run each BST column with these runtime switches (docs/backends.md, Levers) right "
                          "after its run with the switches in force: levers side by side in one process, e.g. "
-                         "--variant fused=fused_ce=1,relu_in_gemm=1 (the GPT column has no pair loss: once)")
+                         "--variant fused=fused_ce=1,relu_in_gemm=1 (the GPT column has no pair loss: once; a variant of "
+                         "host_pairs/device_sampler alone runs the subsampled columns only)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (on a shared CPU small shapes run faster on 1)")
     a = ap.parse_args(argv)
@@ -642,7 +645,10 @@ def main(argv=None) -> int:
     task = SyntheticText(shape["vocab"], shape["T"])
     results: List[Dict[str, Any]] = []
     for column, cfg in zip(columns, configs):
-        for variant, changes in [(None, {})] + (variants if column.slug != "gpt" else []):
+        # the GPT column has no pair loss; a variant of the subsample's switches alone skips all-pairs columns
+        applies = [(n, c) for n, c in variants if column.slug != "gpt"
+                   and not (cfg.pairs is None and set(c) <= SUBSAMPLE_SWITCHES)]
+        for variant, changes in [(None, {})] + applies:
             with runtime.switched(**changes):
                 results.append(run_column(column, cfg, task, a.device, steps, warmup, trace_dir, a.profile_steps,
                                           variant))

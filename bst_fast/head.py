@@ -145,7 +145,11 @@ def text_head_changes(head: TextHead) -> Optional[str]:
     for name in ("forward", "pair_parts", "first_layer_states", "_after_first_layer"):
         if getattr(type(head), name) is not getattr(TextHead, name):
             return f"{type(head).__name__} overrides TextHead.{name}"
+        if name in head.__dict__:  # set on the object (as accelerate's hooks and some adapters do)
+            return f"its {name} is replaced on the object"
     for k, layer in enumerate(head.layers):
+        if "forward" in layer.__dict__:
+            return f"layers[{k}].forward is replaced on the object"
         if type(layer) is not nn.Linear:
             return f"layers[{k}] is a {type(layer).__name__}, not an nn.Linear"
         if layer.bias is None:
@@ -154,6 +158,8 @@ def text_head_changes(head: TextHead) -> Optional[str]:
         return f"layers[-1] gives {head.layers[-1].out_features} logits, not 2 * vocab_size = {2 * head.vocab_size}"
     if any(m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
         return "a forward hook is registered on it"
+    if any(m._backward_hooks or m._backward_pre_hooks for m in head.modules()):
+        return "a backward hook is registered on it"
     return None
 
 

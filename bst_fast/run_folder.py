@@ -258,7 +258,8 @@ class RunFolder:
     def lock(self):
         """An exclusive lock on the folder for this process; a ValueError naming the holder's pid when
         another process holds it. The lock file is opened without following a link and must be a
-        regular file with one name: the pid is never written through a link into someone's file."""
+        regular file; the pid is written only where the file has one name: never through a link into
+        someone's file (a hard link, as `cp -al` of a run folder leaves, stays unwritten)."""
         path = self.path / LOCK
         fault = _kind_fault(path, folder=False)
         if fault:
@@ -274,9 +275,6 @@ class RunFolder:
             if not stat.S_ISREG(info.st_mode):
                 raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
                                  f"or choose another out_dir")
-            if info.st_nlink != 1:  # a hard link (`cp -al` of a run folder): the pid would land in the other name
-                raise ValueError(f"{_cut(path)} has {info.st_nlink} names (a hard link), where the run writes its "
-                                 f"lock: delete it (it holds no state) and start again")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -284,8 +282,9 @@ class RunFolder:
                 raise ValueError(f"out_dir {_cut(self.path)} is in use by another process "
                                  f"(pid {holder if holder.isdigit() else 'unknown'}), which holds {_cut(path)}: "
                                  f"one run per folder at a time") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            if info.st_nlink == 1:  # the pid (for the message above) only into a file of the run's own
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
         except BaseException:
             os.close(fd)
             raise

@@ -158,10 +158,15 @@ class StarTask:
                 return model.generate(prefix.to(device), n_new).cpu()
             return sample(model, prefix.to(device), n_new, eos, temperature=0).cpu()
 
-        acc = path_accuracy(generate, rows, self.test_start, self.data.path_len) if len(rows) else 0.0
-        model.train(was)
-        right = round(float(acc) * len(rows))  # path_accuracy's fraction is right rows / rows
-        right, n = sum_over_ranks([right, len(rows)], device, world)
+        right, failure = 0, None
+        try:
+            acc = path_accuracy(generate, rows, self.test_start, self.data.path_len) if len(rows) else 0.0
+            right = round(float(acc) * len(rows))  # path_accuracy's fraction is right rows / rows
+        except Exception as e:  # every rank learns of it in the sum below
+            failure = e
+        finally:
+            model.train(was)
+        right, n = sum_over_ranks([right, len(rows)], device, world, failure)
         return {"path_accuracy": right / n}
 
 
@@ -283,31 +288,45 @@ class TextTask:
         objective = dataclasses.replace(self.objective, pairs=None)
         was = model.training
         model.eval()
-        loss = 0.0
-        for k, r in enumerate(self.held_out()):
-            if k % world != rank:
-                continue
-            documents = None if r.documents is None else r.documents.to(device)
-            out = objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
-                                 generator=torch.Generator().manual_seed(k), pair_total=pair_total,
-                                 token_total=token_total, row_total=self.data.n_held_out, documents=documents)
-            loss += float(out["total"])
-        model.train(was)
-        return {"held_out_loss": sum_over_ranks([loss], device, world)[0]}
+        loss, failure = 0.0, None
+        try:
+            for k, r in enumerate(self.held_out()):
+                if k % world != rank:
+                    continue
+                documents = None if r.documents is None else r.documents.to(device)
+                out = objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
+                                generator=torch.Generator().manual_seed(k), pair_total=pair_total,
+                                token_total=token_total, row_total=self.data.n_held_out, documents=documents)
+                loss += float(out["total"])
+        except Exception as e:  # every rank learns of it in the sum below
+            failure = e
+        finally:
+            model.train(was)
+        return {"held_out_loss": sum_over_ranks([loss], device, world, failure)[0]}
 
 
 Task = Union[StarTask, TextTask]
 
 
-def sum_over_ranks(values: List[float], device, world: int) -> List[float]:
-    """Each value summed over the DDP ranks (float64, on `device`: NCCL's tensors are the GPU's)."""
+def sum_over_ranks(values: List[float], device, world: int, failure: Optional[BaseException] = None) -> List[float]:
+    """Each value summed over the DDP ranks (float64, on `device`: NCCL's tensors are the GPU's).
+    `failure`: this rank's exception, if its share failed; it is counted in the same sum, so every
+    rank raises (this one its own exception, the others a RuntimeError) and none is left waiting
+    in a collective the failed rank never reaches."""
     if world == 1:
+        if failure is not None:
+            raise failure
         return [float(v) for v in values]
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor([*values, failure is not None], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.tolist()
+    if failure is not None:
+        raise failure
+    if t[-1] > 0:
+        raise RuntimeError(f"{int(t[-1])} other rank(s) failed here (their error is in their output); this rank "
+                           f"stops with them")
+    return t[:-1].tolist()
 
 
 def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0) -> Task:

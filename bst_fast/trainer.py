@@ -34,7 +34,7 @@ from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, la
                          verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import TOKENIZER, Objective, build_model, build_task, model_config
+from .tasks import TOKENIZER, Objective, build_model, build_task, model_config, sum_over_ranks
 
 
 class TrainingStopped(RuntimeError):
@@ -101,8 +101,10 @@ def _check_resumable(ckpt: Path, cfg: TrainConfig):
     """The checkpoint's config must equal cfg (with the model's data fields set) in every field a
     resumed run may not change."""
     saved, now = read_config(ckpt).to_dict(), cfg.to_dict()
+    # text fields a star run never read (older versions let a config set them): not a difference
+    unread = ("text_vocab", "max_len") if now["data"] == "star" else ()
     diff = {k: (saved.get(k), v) for k, v in now.items()
-            if k not in RESUMABLE_CHANGES and k != "model" and saved.get(k) != v}
+            if k not in RESUMABLE_CHANGES and k != "model" and k not in unread and saved.get(k) != v}
     diff.update({f"model.{k}": (saved["model"].get(k), v) for k, v in now["model"].items()
                  if saved["model"].get(k) != v})
     if diff:
@@ -280,28 +282,41 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
         return folder.check(resume, overwrite)
 
     ckpt = from_rank0(world, rank, held_check)
-    run = build_run(cfg, device, ckpt, world, rank)
-    cfg, task, model, optimizer, scheduler = run.cfg, run.task, run.model, run.optimizer, run.scheduler
-    state = {"step": 0} if ckpt is None else load_checkpoint(ckpt, model, optimizer, scheduler)
-    start = state["step"]
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    def build():
+        """The run, its state and its steps on this rank, through the first batch's loss: every
+        check that may fail before the folder is claimed (None: a run already at its end)."""
+        run = build_run(cfg, device, ckpt, world, rank)
+        state = {"step": 0} if ckpt is None else load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler)
+        start, end = state["step"], run.cfg.steps if stop_at is None else min(stop_at, run.cfg.steps)
+        if start >= end:
+            return run, state, start, end
+        if run.cfg.compile:
+            # Compiled here, so that the first batch below compiles the training graph (with grad, as
+            # a step runs it) and a broken compiler fails before the folder is touched.
+            compile_encoders(run.model)
+        # the backend takes this head on this device, and the data gives a batch
+        with torch.enable_grad() if run.cfg.compile else torch.no_grad():
+            part = run.batch(start).split(run.cfg.grad_accum)[0]
+            with autocast_for(device):
+                run.objective(run.model, part.tokens, part.lengths, prefix_start=part.prefix_start,
+                              generator=torch.Generator(), pair_total=part.pair_total, token_total=part.token_total,
+                              row_total=part.row_total, documents=part.documents)
+        return run, state, start, end
+
+    built, failure = None, None
+    try:
+        built = build()
+    except Exception as e:
+        failure = e
+    sum_over_ranks([], device, world, failure)  # every rank got this far, or every rank stops here
+    run, state, start, end = built
+    cfg, task = run.cfg, run.task
     if start >= end:  # a finished run (or one already past stop_at): reported, not an error
         if rank == 0:
             print(f"{cfg.out_dir}: the run is at step {start} (checkpoint {ckpt}), where this call stops "
                   f"({'steps' if stop_at is None or stop_at >= cfg.steps else 'stop_at'} = {end}): nothing to "
                   f"train; raise steps (a resumable change) to continue it", file=sys.stderr, flush=True)
         return {"step": float(start), **logged_at(Path(cfg.out_dir), start)}
-    if cfg.compile:
-        # Compiled here, so that the first batch below compiles the training graph (with grad, as
-        # a step runs it) and a broken compiler fails before the folder is touched.
-        compile_encoders(model)
-    # the backend takes this head on this device, and the data gives a batch
-    with torch.enable_grad() if cfg.compile else torch.no_grad():
-        part = run.batch(start).split(cfg.grad_accum)[0]
-        with autocast_for(device):
-            run.objective(model, part.tokens, part.lengths, prefix_start=part.prefix_start, generator=torch.Generator(),
-                          pair_total=part.pair_total, token_total=part.token_total, row_total=part.row_total,
-                          documents=part.documents)
 
     def claim():
         folder.claim()
@@ -356,7 +371,7 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
     run.net = DistributedDataParallel(model) if world > 1 else model
     run.metrics = MetricsLog(cfg.out_dir, rank == 0)
     # rows logged after the checkpoint we resume from are replayed
-    run.n_logged = run.metrics.truncate(start, state.get("logged"))
+    run.n_logged = from_rank0(world, rank, lambda: run.metrics.truncate(start, state.get("logged")))
     if cfg.progress and rank == 0:
         from tqdm import tqdm
 
@@ -436,7 +451,7 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
             run.bar.update(run.n_timed)
         run.t0, run.tokens_seen, run.pairs_seen, run.n_timed = time.perf_counter(), 0, 0, 0
         if logged:
-            run.metrics.log(done, row)
+            from_rank0(run.world, run.rank, lambda: run.metrics.log(done, row))
             run.n_logged += 1
             run.n_sum = 0
             run.loss_sum.zero_()

@@ -260,15 +260,16 @@ def test_paper_speed_variants_run_beside_their_column(tmp_path, monkeypatch):
             ps.parse_variant(bad)
     out = tmp_path / "v"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
-                          "--threads", "1", "--columns", "gpt", "bst-improved", "--variant", "dp=host_pairs=0",
+                          "--threads", "1", "--columns", "gpt", "bst-original", "bst-improved", "--variant", "dp=host_pairs=0",
                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     cols = json.loads((out / "paper_speed.json").read_text())["columns"]
-    assert [(c["name"], c["variant"]) for c in cols] == [("GPT", None), ("BST improved", None),
+    # the subsample's switch alone: not run again on all pairs
+    assert [(c["name"], c["variant"]) for c in cols] == [("GPT", None), ("BST original", None), ("BST improved", None),
                                                          ("BST improved [dp]", "dp")]
-    assert cols[1]["switches"]["host_pairs"] and not cols[2]["switches"]["host_pairs"]
+    assert cols[2]["switches"]["host_pairs"] and not cols[3]["switches"]["host_pairs"]
     assert all(c["error"] is None and c["it_per_s"] > 0 for c in cols)
-    assert isinstance(cols[2]["triton_compiles_timed"], (int, type(None)))
+    assert isinstance(cols[3]["triton_compiles_timed"], (int, type(None)))
     assert "BST improved [dp] " in (out / "paper_speed.md").read_text().split("over its column's")[1]
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
                           "--variant", "x=nope=1"], capture_output=True, text=True, timeout=120)

@@ -592,15 +592,18 @@ def test_a_hard_linked_lock_file_is_never_written_through(tmp_path):
     d.mkdir()
     victim = tmp_path / "v.txt"
     victim.write_text("precious")
-    os.link(victim, d / LOCK)  # as `cp -al` of a run folder leaves it, or someone's file linked in
-    with pytest.raises(ValueError, match="2 names"):
-        train(tiny(d))
-    with pytest.raises(ValueError, match="2 names"):
-        RunFolder(d).lock()
-    assert victim.read_text() == "precious"
-    (d / LOCK).unlink()
+    os.link(victim, d / LOCK)  # someone's file linked in: locked, never written
     train(tiny(d))
     assert victim.read_text() == "precious"
+    backup = tmp_path / "backup"
+    subprocess.run(["cp", "-al", str(d), str(backup)], check=True)  # a hard-link snapshot of the run
+    train(tiny(d, steps=8), resume=True)  # the original still resumes (review: it was refused)
+    assert victim.read_text() == "precious"
+    holder = RunFolder(d)
+    holder.lock()
+    with pytest.raises(ValueError, match="in use by another process"):  # one lock for both names
+        RunFolder(backup).lock()
+    holder.unlock()
 
 
 def test_a_hard_linked_metrics_file_is_not_appended_to_on_resume(run_copy, tmp_path):
@@ -741,3 +744,18 @@ def test_a_huge_prefix_is_quoted_cut(trained, capsys):
     assert main(["generate", "--checkpoint", str(trained), "--prefix", "x" * 50000]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err) < 500
+
+
+def test_a_star_run_of_an_older_version_that_set_text_fields_resumes(run_copy):
+    """Older versions let a star config set max_len and text_vocab (never read): its checkpoints
+    resume, although a config setting them is now refused."""
+    d = run_copy
+    ckpt = latest_checkpoint(d)
+    saved = json.loads((ckpt / "config.json").read_text())
+    saved.update(max_len=64, text_vocab=300)
+    (ckpt / "config.json").write_text(json.dumps(saved))
+    rehash(ckpt)
+    train(tiny(d, steps=8), resume=True)
+    assert latest_checkpoint(d).name == "step-00000008"
+    with pytest.raises(ValueError, match="'max_len' must be its default 256 for star-graph data"):
+        train(tiny(d, steps=10, max_len=64), resume=True)

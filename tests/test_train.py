@@ -105,6 +105,15 @@ try:
                    weight_decay=1.0, steps=3, ckpt_every=1, warmup=0)
 except bst_fast.TrainingStopped as e:
     print(f"rank {{rank}} stopped: {{e}}", flush=True)
+import bst_fast.tasks as tasks
+if rank == 1:  # rank 1's share of the evaluation fails: rank 0 must not wait for it
+    def broken(*a, **k):
+        raise ValueError("decoder fault on rank 1")
+    tasks.sample = broken
+try:
+    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'evalfault')!r}, ckpt_every=0, steps=2)
+except Exception as e:
+    print(f"rank {{rank}} evaluation: {{type(e).__name__}}: {{e}}", flush=True)
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", str(legs)]
@@ -120,6 +129,36 @@ except bst_fast.TrainingStopped as e:
         (want, run.stdout)
     stops = sorted(line.split(": ", 1)[1] for line in lines if " stopped: " in line)
     assert len(stops) == 2 and stops[0] == stops[1] and "the last good checkpoint is" in stops[0], run.stdout
+    assert "rank 1 evaluation: ValueError: decoder fault on rank 1" in lines, run.stdout
+    assert any(line.startswith("rank 0 evaluation: RuntimeError: 1 other rank(s) failed") for line in lines), run.stdout
+
+
+def test_star_evaluation_split_across_ranks_adds_up_to_one_process(monkeypatch):
+    """Each rank decodes the test graphs rank::world; their right rows and rows add up to one
+    process's (also with more ranks than graphs). The decoder is a stub right on some rows."""
+    from bst_fast import tasks
+
+    task = tasks.StarTask(tiny("unused"))
+    rows = task.test_rows
+    start, l = task.test_start, task.data.path_len
+    truth = {tuple(r[:start + 1].tolist()): r[start + 1:start + 1 + l] for r in rows}
+
+    def stub(model, prefix, n_new, eos, temperature):
+        out = torch.stack([truth[tuple(p.tolist())] for p in prefix])
+        out[prefix[:, 1] % 3 == 0] = 0  # wrong on the rows whose second token divides by 3
+        return out
+
+    monkeypatch.setattr(tasks, "sample", stub)
+    model = torch.nn.Linear(1, 1)
+    whole = task.evaluate(model, "cpu")["path_accuracy"]
+    want = sum(int(r[1]) % 3 != 0 for r in rows)
+    assert 0 < want < len(rows) and whole == want / len(rows)
+    for world in (2, 3, len(rows) + 2):
+        shares = []
+        monkeypatch.setattr(tasks, "sum_over_ranks", lambda values, device, w, failure=None: shares.append(values) or [1, 1])
+        for rank in range(world):
+            task.evaluate(model, "cpu", world, rank)
+        assert [sum(s[k] for s in shares) for k in (0, 1)] == [want, len(rows)], world
 
 
 def test_checkpoints_are_kept_and_named(tmp_path):
