@@ -40,7 +40,8 @@ building the run and its warm-up steps, sampled every ms, or null); model TFLOP/
 and the time of each phase, from marks at the record_function ranges of `train_step` ("forward",
 "backward", "optimizer") and of `BeliefStateTransformer.forward` ("encoders", "pair_loss"). The
 fused pair-loss backends compute the loss's gradient inside its forward, so "pair loss" holds
-both and "backward" is the encoders' backward (and the GPT head's). `--trace DIR` also profiles
+both and "backward" is the encoders' backward (and the GPT head's). `--nvtx` emits those phases and
+every op as NVTX ranges during the timed steps (for `nsys profile`). `--trace DIR` also profiles
 --profile-steps steps of each column with torch.profiler: DIR/<column>.trace.json (chrome trace)
 and DIR/<column>.txt (the top-op table). `--variant` runs each BST column again, right after it in
 this process, under other runtime switches (each run after its own warm-up; `triton_compiles_timed`
@@ -301,10 +302,11 @@ class PhaseMarks:
         self.saved.clear()
 
 
-def timed_steps(run: Run, first: int, n: int) -> StepClock:
-    """Runs steps first .. first + n - 1 with phase marks; returns the clock (synchronized)."""
+def timed_steps(run: Run, first: int, n: int, nvtx: bool = False) -> StepClock:
+    """Runs steps first .. first + n - 1 with phase marks; returns the clock (synchronized). `nvtx`:
+    the phases (record_function ranges) and every op also as NVTX ranges, for nsys."""
     clock = StepClock(run.device)
-    with PhaseMarks(clock):
+    with PhaseMarks(clock), torch.autograd.profiler.emit_nvtx(enabled=nvtx):
         for step in range(first, first + n):
             clock.start_step()
             train_step(run, step)
@@ -400,7 +402,7 @@ def triton_cache_entries() -> Optional[int]:
 
 
 def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, warmup: int,
-            trace_dir: Optional[Path], profile_n: int) -> Dict[str, Any]:
+            trace_dir: Optional[Path], profile_n: int, nvtx: bool = False) -> Dict[str, Any]:
     """One column: build, warm up, time, optionally profile."""
     pairs_bench = bench_module("pairs")
     cuda = device == "cuda"
@@ -416,7 +418,7 @@ def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, war
     tokens0, pairs0 = run.tokens_seen, run.pairs_seen
     kernels0 = triton_cache_entries()
     t0 = time.perf_counter()
-    clock = timed_steps(run, warmup, steps)
+    clock = timed_steps(run, warmup, steps, nvtx)
     wall = time.perf_counter() - t0
     kernels1 = triton_cache_entries()
     loss = float(train_step(run, warmup + steps))  # one more step, whose loss is read (a sync)
@@ -480,7 +482,8 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, Any]]:
 
 
 def run_column(column: Column, cfg: TrainConfig, task, device: str, steps: int, warmup: int,
-               trace_dir: Optional[Path], profile_n: int, variant: Optional[str] = None) -> Dict[str, Any]:
+               trace_dir: Optional[Path], profile_n: int, variant: Optional[str] = None,
+               nvtx: bool = False) -> Dict[str, Any]:
     """measure(), or the column with its error (the other columns still run). `variant`: the name of
     the switches in force, when a --variant changed them."""
     if variant is not None:
@@ -491,7 +494,7 @@ def run_column(column: Column, cfg: TrainConfig, task, device: str, steps: int, 
                 switches=dataclasses.asdict(runtime.SWITCHES))
     print(f"== {column.name}", flush=True)
     try:
-        result = {**head, **measure(column, cfg, task, device, steps, warmup, trace_dir, profile_n)}
+        result = {**head, **measure(column, cfg, task, device, steps, warmup, trace_dir, profile_n, nvtx)}
     except Exception as e:  # out of memory included: report it, free what the column held, go on
         traceback.print_exc()
         result = {**head, "error": f"{type(e).__name__}: {str(e)[:500]}", "config": cfg.to_dict()}
@@ -585,6 +588,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="also write a torch.profiler trace of each column here")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps profiled per column with --trace")
+    ap.add_argument("--nvtx", action="store_true",
+                    help="the timed steps' phases and ops also as NVTX ranges (cuda; run under nsys)")
     ap.add_argument("--variant", dest="variants", action="append", default=[],
                     metavar="NAME=SWITCH=VALUE[,SWITCH=VALUE]",
                     help="also run each BST column with these runtime switches (docs/backends.md, Levers) right "
@@ -600,6 +605,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but this torch sees no CUDA device")
+    if a.nvtx and a.device != "cuda":
+        ap.error("--nvtx needs --device cuda")
     shape_name = a.shape or ("paper" if a.device == "cuda" else "cpu")
     shape = SHAPES[shape_name]
     steps = shape["steps"] if a.steps is None else a.steps
@@ -651,7 +658,7 @@ def main(argv=None) -> int:
         for variant, changes in [(None, {})] + applies:
             with runtime.switched(**changes):
                 results.append(run_column(column, cfg, task, a.device, steps, warmup, trace_dir, a.profile_steps,
-                                          variant))
+                                          variant, a.nvtx))
             r = results[-1]
             if not r["error"]:
                 print(f"   {r['it_per_s']:.3g} it/s (whole loop {r['it_per_s_wall']:.3g}), "

@@ -52,7 +52,7 @@ def config_path(path: Union[str, Path]) -> Path:
 @dataclass
 class TrainConfig:
     # --- what to train ---
-    method: str = "bst"  # one of METHODS (see the module docstring)
+    method: str = "bst"  # one of METHODS (bst_fast/trainer.py's docstring says what each trains)
     # "star" for star graphs; else a text file or folder, a prepared corpus (a folder `bst-fast tokenize`
     # wrote), or a list of prepared corpora, each a path or a [path, weight] pair: a weighted mixture
     # (a list is stored as [[path, weight], ...]; docs/data.md)

@@ -28,7 +28,7 @@ class ModelConfig:
     d_model: int = 128  # width m of the residual stream and of f, b
     n_head: int = 4  # attention heads; d_model must divide by it
     mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
-    dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: see README)
+    dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: docs/results.md#heads)
     # one encoder for both directions, told apart by a segment embedding added once to the input
     # (the paper: "in each transformer residual block"; the official code has no shared variant)
     shared_encoders: bool = False
