@@ -141,7 +141,9 @@ def text_head_changes(head: TextHead) -> Optional[str]:
     """What makes a TextHead compute other than its layers' weights and biases say, or None: a
     subclass's own forward (or the methods the split uses), a layer that is not a plain nn.Linear
     with a bias (an adapter, a LoRA wrapper), a forward hook. The fused backends and TextHead's own
-    pair_parts read the weights and biases alone, so such a head goes through the head as a whole."""
+    pair_parts read the weights and biases alone, so such a head goes through the head as a whole.
+    Global module hooks (register_module_forward_hook) are not looked at: profilers and FLOP counters
+    register them to observe every module, and would send every head down the slow path."""
     for name in ("forward", "pair_parts", "first_layer_states", "_after_first_layer"):
         if getattr(type(head), name) is not getattr(TextHead, name):
             return f"{type(head).__name__} overrides TextHead.{name}"
@@ -160,6 +162,7 @@ def text_head_changes(head: TextHead) -> Optional[str]:
         return "a forward hook is registered on it"
     if any(m._backward_hooks or m._backward_pre_hooks for m in head.modules()):
         return "a backward hook is registered on it"
+
     return None
 
 

@@ -12,6 +12,7 @@ naming the holder.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import errno
@@ -258,9 +259,43 @@ class RunFolder:
     def lock(self):
         """An exclusive lock on the folder for this process; a ValueError naming the holder's pid when
         another process holds it. The lock file is opened without following a link and must be a
-        regular file; the pid is written only where the file has one name: never through a link into
-        someone's file (a hard link, as `cp -al` of a run folder leaves, stays unwritten)."""
+        regular file. One with other names (a hard link: `cp -al` of a run folder, or someone's file
+        linked in) is replaced, under its lock, by a file of this folder's own, so that the pid is
+        never written into another name and a copied folder locks apart from this one; a lock taken
+        on a file that was replaced meanwhile is let go and taken again on the one now in place."""
         path = self.path / LOCK
+        for _ in range(5):
+            fd = self._open_locked(path)
+            try:
+                info = os.fstat(fd)
+                try:
+                    now = os.lstat(path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                    os.close(fd)  # another process replaced it after we opened it: lock the new one
+                    continue
+                if info.st_nlink != 1:
+                    tmp = path.with_name(f"{LOCK}.{os.getpid()}.tmp")
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)  # this pid's own leftover: no live process shares it
+                    own = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                    fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody can hold it yet
+                    os.replace(tmp, path)
+                    os.close(fd)
+                    fd = own
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.lock_fd = fd
+            return
+        raise ValueError(f"{_cut(path)} was replaced five times while this run tried to lock it: another "
+                         f"process is taking the folder; start again")
+
+    def _open_locked(self, path: Path) -> int:
+        """The lock file opened (without following a link) and flock'ed, or a ValueError."""
         fault = _kind_fault(path, folder=False)
         if fault:
             raise ValueError(fault)
@@ -271,8 +306,7 @@ class RunFolder:
                 raise ValueError(_kind_fault(path, folder=False) or f"{_cut(path)} is a symbolic link") from None
             raise
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
                                  f"or choose another out_dir")
             try:
@@ -282,13 +316,10 @@ class RunFolder:
                 raise ValueError(f"out_dir {_cut(self.path)} is in use by another process "
                                  f"(pid {holder if holder.isdigit() else 'unknown'}), which holds {_cut(path)}: "
                                  f"one run per folder at a time") from None
-            if info.st_nlink == 1:  # the pid (for the message above) only into a file of the run's own
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
         except BaseException:
             os.close(fd)
             raise
-        self.lock_fd = fd
+        return fd
 
     def unlock(self):
         if self.lock_fd is not None:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Union
+from typing import Any, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -311,8 +311,8 @@ Task = Union[StarTask, TextTask]
 def sum_over_ranks(values: List[float], device, world: int, failure: Optional[BaseException] = None) -> List[float]:
     """Each value summed over the DDP ranks (float64, on `device`: NCCL's tensors are the GPU's).
     `failure`: this rank's exception, if its share failed; it is counted in the same sum, so every
-    rank raises (this one its own exception, the others a RuntimeError) and none is left waiting
-    in a collective the failed rank never reaches."""
+    rank raises (this one its own exception, the others the first failed rank's type and message)
+    and none is left waiting in a collective the failed rank never reaches."""
     if world == 1:
         if failure is not None:
             raise failure
@@ -320,13 +320,22 @@ def sum_over_ranks(values: List[float], device, world: int, failure: Optional[Ba
     import torch.distributed as dist
 
     t = torch.tensor([*values, failure is not None], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    try:
+        dist.all_reduce(t)
+    except Exception as err:  # a peer is gone: this rank's own cause comes first
+        if failure is not None:
+            raise failure from err
+        raise
+    if t[-1] == 0:
+        return t[:-1].tolist()
+    errors: List[Any] = [None] * world  # only after a failure: every rank sees the same flag sum
+    dist.all_gather_object(errors, None if failure is None else (type(failure).__name__, str(failure)))
     if failure is not None:
         raise failure
-    if t[-1] > 0:
-        raise RuntimeError(f"{int(t[-1])} other rank(s) failed here (their error is in their output); this rank "
-                           f"stops with them")
-    return t[:-1].tolist()
+    k, (name, message) = next((k, e) for k, e in enumerate(errors) if e is not None)
+    kind = {c.__name__: c for c in (ValueError, FileNotFoundError, OSError, FloatingPointError)}.get(name)
+    where = f"rank {k} stopped the run: "
+    raise kind(where + message) if kind else RuntimeError(f"{where}{name}: {message}")
 
 
 def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0) -> Task:

@@ -306,7 +306,7 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
     built, failure = None, None
     try:
         built = build()
-    except Exception as e:
+    except BaseException as e:  # an interrupt too: counted, then raised after the other ranks learn of it
         failure = e
     sum_over_ranks([], device, world, failure)  # every rank got this far, or every rank stops here
     run, state, start, end = built

@@ -592,17 +592,21 @@ def test_a_hard_linked_lock_file_is_never_written_through(tmp_path):
     d.mkdir()
     victim = tmp_path / "v.txt"
     victim.write_text("precious")
-    os.link(victim, d / LOCK)  # someone's file linked in: locked, never written
+    os.link(victim, d / LOCK)  # someone's file linked in: replaced by the run's own, never written
     train(tiny(d))
-    assert victim.read_text() == "precious"
+    assert victim.read_text() == "precious" and victim.stat().st_nlink == 1
+    assert (d / LOCK).stat().st_nlink == 1
     backup = tmp_path / "backup"
     subprocess.run(["cp", "-al", str(d), str(backup)], check=True)  # a hard-link snapshot of the run
-    train(tiny(d, steps=8), resume=True)  # the original still resumes (review: it was refused)
-    assert victim.read_text() == "precious"
+    train(tiny(d, steps=8), resume=True)  # the original still resumes (a review found it refused)
     holder = RunFolder(d)
     holder.lock()
-    with pytest.raises(ValueError, match="in use by another process"):  # one lock for both names
-        RunFolder(backup).lock()
+    with pytest.raises(ValueError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+        RunFolder(d).lock()
+    copy = RunFolder(backup)
+    copy.lock()  # the copy locks apart from the original (a review found it refused, naming a dead pid)
+    assert (backup / LOCK).read_text() == str(os.getpid()) and victim.read_text() == "precious"
+    copy.unlock()
     holder.unlock()
 
 

@@ -106,6 +106,7 @@ try:
 except bst_fast.TrainingStopped as e:
     print(f"rank {{rank}} stopped: {{e}}", flush=True)
 import bst_fast.tasks as tasks
+sample = tasks.sample
 if rank == 1:  # rank 1's share of the evaluation fails: rank 0 must not wait for it
     def broken(*a, **k):
         raise ValueError("decoder fault on rank 1")
@@ -114,6 +115,28 @@ try:
     bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'evalfault')!r}, ckpt_every=0, steps=2)
 except Exception as e:
     print(f"rank {{rank}} evaluation: {{type(e).__name__}}: {{e}}", flush=True)
+tasks.sample = sample
+import bst_fast.trainer as trainer
+from bst_fast.run_folder import MetricsLog
+batch, log = trainer.Run.batch, MetricsLog.log
+if rank == 1:  # rank 1's first batch fails before the folder is claimed: no rank claims it
+    def bad_batch(self, step):
+        raise ValueError("batch fault on rank 1")
+    trainer.Run.batch = bad_batch
+try:
+    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'buildfault')!r}, ckpt_every=0, steps=2)
+except Exception as e:
+    print(f"rank {{rank}} build: {{type(e).__name__}}: {{e}}", flush=True)
+trainer.Run.batch = batch
+if rank == 0:  # rank 0 cannot write metrics.csv
+    def bad_log(self, step, row):
+        raise OSError(28, "No space left on device")
+    MetricsLog.log = bad_log
+try:
+    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'logfault')!r}, ckpt_every=0, steps=2)
+except Exception as e:
+    print(f"rank {{rank}} log: {{type(e).__name__}}: {{e}}", flush=True)
+MetricsLog.log = log
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", str(legs)]
@@ -130,7 +153,13 @@ except Exception as e:
     stops = sorted(line.split(": ", 1)[1] for line in lines if " stopped: " in line)
     assert len(stops) == 2 and stops[0] == stops[1] and "the last good checkpoint is" in stops[0], run.stdout
     assert "rank 1 evaluation: ValueError: decoder fault on rank 1" in lines, run.stdout
-    assert any(line.startswith("rank 0 evaluation: RuntimeError: 1 other rank(s) failed") for line in lines), run.stdout
+    assert "rank 0 evaluation: ValueError: rank 1 stopped the run: decoder fault on rank 1" in lines, run.stdout
+    assert {"rank 1 build: ValueError: batch fault on rank 1",
+            "rank 0 build: ValueError: rank 1 stopped the run: batch fault on rank 1"} <= set(lines), run.stdout
+    assert not (tmp_path / "buildfault").exists()
+    assert "rank 0 log: OSError: [Errno 28] No space left on device" in lines, run.stdout
+    assert "rank 1 log: RuntimeError: rank 0 stopped the run: OSError: [Errno 28] No space left on device" in lines, \
+        run.stdout
 
 
 def test_star_evaluation_split_across_ranks_adds_up_to_one_process(monkeypatch):

@@ -41,6 +41,7 @@ def pick(backend: str, head, f):
         for name in ("triton", "torch") if f.is_cuda else ("cpp", "torch"):
             if module(name).supports(head, f.device, f.dtype) is None:
                 return module(name)
+        backend = "torch"  # none takes it: torch's reason, below
     chosen = module(backend)
     why = chosen.supports(head, f.device, f.dtype)
     if why is not None:

@@ -96,7 +96,12 @@ def variant(name: str):
 
 
 def supports(head, device: torch.device, dtype: torch.dtype):
-    return None  # any head module, dtype and device
+    """Any head module, dtype and device, but a head with a backward hook: the gradients are made
+    inside the loss's forward, where such a hook cannot run (autograd refuses it, obscurely)."""
+    if any(m._backward_hooks or m._backward_pre_hooks for m in head.modules()):
+        return ("backend='torch' computes the head's gradients inside the loss's forward, where a backward hook "
+                "registered on the head cannot run; use backend='reference'")
+    return None
 
 
 def _call_tail(tail, xs):
