@@ -106,37 +106,28 @@ try:
 except bst_fast.TrainingStopped as e:
     print(f"rank {{rank}} stopped: {{e}}", flush=True)
 import bst_fast.tasks as tasks
-sample = tasks.sample
-if rank == 1:  # rank 1's share of the evaluation fails: rank 0 must not wait for it
-    def broken(*a, **k):
-        raise ValueError("decoder fault on rank 1")
-    tasks.sample = broken
-try:
-    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'evalfault')!r}, ckpt_every=0, steps=2)
-except Exception as e:
-    print(f"rank {{rank}} evaluation: {{type(e).__name__}}: {{e}}", flush=True)
-tasks.sample = sample
 import bst_fast.trainer as trainer
 from bst_fast.run_folder import MetricsLog
-batch, log = trainer.Run.batch, MetricsLog.log
-if rank == 1:  # rank 1's first batch fails before the folder is claimed: no rank claims it
-    def bad_batch(self, step):
-        raise ValueError("batch fault on rank 1")
-    trainer.Run.batch = bad_batch
-try:
-    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'buildfault')!r}, ckpt_every=0, steps=2)
-except Exception as e:
-    print(f"rank {{rank}} build: {{type(e).__name__}}: {{e}}", flush=True)
-trainer.Run.batch = batch
-if rank == 0:  # rank 0 cannot write metrics.csv
-    def bad_log(self, step, row):
-        raise OSError(28, "No space left on device")
-    MetricsLog.log = bad_log
-try:
-    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'logfault')!r}, ckpt_every=0, steps=2)
-except Exception as e:
-    print(f"rank {{rank}} log: {{type(e).__name__}}: {{e}}", flush=True)
-MetricsLog.log = log
+
+def fault(label, owner, name, on_rank, message, out):
+    # one run with owner.name raising on rank on_rank only; each rank prints how it ended
+    real = getattr(owner, name)
+    def broken(*a, **k):
+        raise (OSError(28, message) if label == "log" else ValueError(message))
+    if rank == on_rank:
+        setattr(owner, name, broken)
+    try:
+        bst_fast.train({str(TINY)!r}, out_dir=out, ckpt_every=0, steps=2)
+    except Exception as e:
+        print(f"rank {{rank}} {{label}}: {{type(e).__name__}}: {{e}}", flush=True)
+    setattr(owner, name, real)
+
+# rank 1's share of the evaluation fails: rank 0 must not wait for it
+fault("evaluation", tasks, "sample", 1, "decoder fault on rank 1", {str(tmp_path / 'evalfault')!r})
+# rank 1's first batch fails before the folder is claimed: no rank claims it
+fault("build", trainer.Run, "batch", 1, "batch fault on rank 1", {str(tmp_path / 'buildfault')!r})
+# rank 0 cannot write metrics.csv
+fault("log", MetricsLog, "log", 0, "No space left on device", {str(tmp_path / 'logfault')!r})
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", str(legs)]
