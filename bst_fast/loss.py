@@ -88,8 +88,9 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
             the mean over the B rows, a row with no pair adding 0: docs/contract.md §9). A batch with no
             valid pair raises for "mean" and gives 0 (zero gradients) for "sum" and "row_mean".
         generator: the torch.Generator the subsample is drawn from.
-        backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64),
-            "reference", "torch", "cpp" or "triton" (see bst_fast.backends).
+        backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64,
+            reference for a head with a backward hook), "reference", "torch", "cpp" or "triton"
+            (see bst_fast.backends).
         deterministic: kept for compatibility, it changes nothing: triton is always bitwise
             reproducible (no atomics), cpp for a fixed thread count; torch adds no atomics of its
             own on a GPU (in float64 it uses index_add_, atomic there).

@@ -42,6 +42,7 @@ RUN_FILES = FOLDERS + FILES
 # as a pattern, as checkpoint.OWN_TEMPORARY is in checkpoints/): only those of the names this
 # package writes are ever cleaned up, never a user's own `.something.tmp`.
 TOP_TEMPORARY = re.compile(r"\.(" + "|".join(map(re.escape, (MARKER, *FILES))) + r")\.[0-9]+\.tmp")
+LOCK_TEMPORARY = re.compile(re.escape(LOCK) + r"\.[0-9]+\.tmp")  # lock(): a hard-linked lock's replacement
 
 
 def _cut(value, limit: int = 200) -> str:
@@ -145,7 +146,7 @@ class RunFolder:
                 raise ValueError(fault)
             fault = marker_fault(out)
             if fault:
-                foreign = [p for p in out.iterdir() if p.name != LOCK]
+                foreign = [p for p in out.iterdir() if p.name != LOCK and not LOCK_TEMPORARY.fullmatch(p.name)]
                 if foreign:
                     raise ValueError(f"out_dir {_cut(out)} is not a bst_fast run folder ({fault}) and is not empty: "
                                      f"it holds {_listing(out)}; nothing there is deleted or written over: choose "
@@ -228,7 +229,7 @@ class RunFolder:
         remove_stale(self.path / "checkpoints")  # puts back a best whose swap was killed halfway
         if not _protected(self.path):
             for path in self.path.iterdir():
-                if TOP_TEMPORARY.fullmatch(path.name):
+                if TOP_TEMPORARY.fullmatch(path.name) or LOCK_TEMPORARY.fullmatch(path.name):
                     _delete(path)
 
     def _doomed(self) -> List[Path]:
@@ -280,8 +281,14 @@ class RunFolder:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)  # this pid's own leftover: no live process shares it
                     own = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                    fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody can hold it yet
-                    os.replace(tmp, path)
+                    try:
+                        fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody can hold it yet
+                        os.replace(tmp, path)
+                    except BaseException:
+                        os.close(own)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp)
+                        raise
                     os.close(fd)
                     fd = own
                 os.ftruncate(fd, 0)

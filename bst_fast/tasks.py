@@ -328,13 +328,22 @@ def sum_over_ranks(values: List[float], device, world: int, failure: Optional[Ba
         raise
     if t[-1] == 0:
         return t[:-1].tolist()
-    errors: List[Any] = [None] * world  # only after a failure: every rank sees the same flag sum
-    dist.all_gather_object(errors, None if failure is None else (type(failure).__name__, str(failure)))
+    # only after a failure (every rank sees the same flag sum): the failed rank's nearest known type
+    known = (FileNotFoundError, ValueError, OSError, FloatingPointError)
+    errors: List[Any] = [None] * world
+    mine = None if failure is None else (next((c.__name__ for c in type(failure).__mro__ if c in known), None),
+                                         type(failure).__name__, str(failure))
+    try:
+        dist.all_gather_object(errors, mine)
+    except Exception as err:
+        if failure is not None:
+            raise failure from err
+        raise
     if failure is not None:
         raise failure
-    k, (name, message) = next((k, e) for k, e in enumerate(errors) if e is not None)
-    kind = {c.__name__: c for c in (ValueError, FileNotFoundError, OSError, FloatingPointError)}.get(name)
+    k, (kind, name, message) = next((k, e) for k, e in enumerate(errors) if e is not None)
     where = f"rank {k} stopped the run: "
+    kind = {c.__name__: c for c in known}.get(kind)
     raise kind(where + message) if kind else RuntimeError(f"{where}{name}: {message}")
 
 

@@ -763,3 +763,23 @@ def test_a_star_run_of_an_older_version_that_set_text_fields_resumes(run_copy):
     assert latest_checkpoint(d).name == "step-00000008"
     with pytest.raises(ValueError, match="'max_len' must be its default 256 for star-graph data"):
         train(tiny(d, steps=10, max_len=64), resume=True)
+
+
+def test_a_failed_lock_swap_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The swap of a hard-linked lock file for the folder's own: a failure there closes and deletes
+    the replacement (review helper-41: it stayed, and an unmarked folder was then refused for it)."""
+    d = tmp_path / "c"
+    d.mkdir()
+    os.link(tmp_path.joinpath("v.txt").write_text("x") and tmp_path / "v.txt", d / LOCK)
+
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        RunFolder(d).lock()
+    assert sorted(p.name for p in d.iterdir()) == [LOCK]
+    monkeypatch.undo()
+    (d / f"{LOCK}.4242.tmp").write_text("")  # a killed process's replacement: not someone's file
+    train(tiny(d))
+    assert not (d / f"{LOCK}.4242.tmp").exists() and (tmp_path / "v.txt").read_text() == "x"
