@@ -137,6 +137,11 @@ class TextHead(nn.Module):
         return f"activation={self.activation!r}"
 
 
+def has_backward_hooks(module: nn.Module) -> bool:
+    """Whether a backward (pre-)hook is registered on `module` or any module inside it."""
+    return any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
+
+
 def text_head_changes(head: TextHead) -> Optional[str]:
     """What makes a TextHead compute other than its layers' weights and biases say, or None: a
     subclass's own forward (or the methods the split uses), a layer that is not a plain nn.Linear
@@ -160,7 +165,7 @@ def text_head_changes(head: TextHead) -> Optional[str]:
         return f"layers[-1] gives {head.layers[-1].out_features} logits, not 2 * vocab_size = {2 * head.vocab_size}"
     if any(m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
         return "a forward hook is registered on it"
-    if any(m._backward_hooks or m._backward_pre_hooks for m in head.modules()):
+    if has_backward_hooks(head):
         return "a backward hook is registered on it"
 
     return None

@@ -308,6 +308,24 @@ class TextTask:
 Task = Union[StarTask, TextTask]
 
 
+# The exception types a rank's failure keeps on the other ranks (the nearest one in its class's MRO);
+# any other becomes a RuntimeError naming it.
+RANK_ERRORS = (FileNotFoundError, ValueError, OSError, FloatingPointError)
+
+
+def failure_summary(error: BaseException, known=RANK_ERRORS):
+    """What other ranks learn of a rank's exception: (nearest known type's name, its type's name, message)."""
+    return (next((c.__name__ for c in type(error).__mro__ if c in known), None), type(error).__name__, str(error))
+
+
+def rank_failure(rank: int, summary, known=RANK_ERRORS) -> BaseException:
+    """The exception another rank raises for rank `rank`'s failure_summary."""
+    kind, name, message = summary
+    where = f"rank {rank} stopped the run: "
+    kind = {c.__name__: c for c in known}.get(kind)
+    return kind(where + message) if kind else RuntimeError(f"{where}{name}: {message}")
+
+
 def sum_over_ranks(values: List[float], device, world: int, failure: Optional[BaseException] = None) -> List[float]:
     """Each value summed over the DDP ranks (float64, on `device`: NCCL's tensors are the GPU's).
     `failure`: this rank's exception, if its share failed; it is counted in the same sum, so every
@@ -328,23 +346,17 @@ def sum_over_ranks(values: List[float], device, world: int, failure: Optional[Ba
         raise
     if t[-1] == 0:
         return t[:-1].tolist()
-    # only after a failure (every rank sees the same flag sum): the failed rank's nearest known type
-    known = (FileNotFoundError, ValueError, OSError, FloatingPointError)
+    # only after a failure (every rank sees the same flag sum): what the failed ranks raised
     errors: List[Any] = [None] * world
-    mine = None if failure is None else (next((c.__name__ for c in type(failure).__mro__ if c in known), None),
-                                         type(failure).__name__, str(failure))
     try:
-        dist.all_gather_object(errors, mine)
+        dist.all_gather_object(errors, None if failure is None else failure_summary(failure))
     except Exception as err:
         if failure is not None:
             raise failure from err
         raise
     if failure is not None:
         raise failure
-    k, (kind, name, message) = next((k, e) for k, e in enumerate(errors) if e is not None)
-    where = f"rank {k} stopped the run: "
-    kind = {c.__name__: c for c in known}.get(kind)
-    raise kind(where + message) if kind else RuntimeError(f"{where}{name}: {message}")
+    raise next(rank_failure(k, e) for k, e in enumerate(errors) if e is not None)
 
 
 def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0) -> Task:

@@ -34,7 +34,8 @@ from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, la
                          verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import TOKENIZER, Objective, build_model, build_task, model_config, sum_over_ranks
+from .tasks import (RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
+                    rank_failure, sum_over_ranks)
 
 
 class TrainingStopped(RuntimeError):
@@ -45,24 +46,23 @@ def from_rank0(world: int, rank: int, work: Callable[[], Any]) -> Any:
     """work() on rank 0 (the one that holds the run folder, evaluates and saves), its result given to
     every rank, and its failure raised on every rank: a rank left running while rank 0 stopped would
     wait in the next collective until its timeout (or die of a closed connection, naming nothing).
-    The other ranks raise the same type where it is one of the run's own faults, else a RuntimeError
-    naming it, with rank 0's message."""
+    The other ranks raise its nearest known type (the run's own faults too) with rank 0's message
+    (tasks.rank_failure)."""
     if world == 1:
         return work()
+    known = (TrainingStopped, CheckpointWriteError, *RANK_ERRORS)
     box: List[Any] = [None, None]
     failed = None
     if rank == 0:
         try:
             box[0] = work()
         except BaseException as e:
-            failed, box[1] = e, (type(e).__name__, str(e))
+            failed, box[1] = e, failure_summary(e, known)
     dist.broadcast_object_list(box, src=0)
     if failed is not None:
         raise failed
     if box[1] is not None:
-        name, message = box[1]
-        kind = {c.__name__: c for c in (TrainingStopped, CheckpointWriteError, ValueError, FileNotFoundError)}.get(name)
-        raise kind(message) if kind else RuntimeError(f"rank 0 stopped the run: {name}: {message}")
+        raise rank_failure(0, box[1], known)
     return box[0]
 
 

@@ -70,7 +70,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from .._pairs import Pairs, pair_list
-from ..head import PairParts, TextHead, concat_parts, swiglu, text_head_changes
+from ..head import PairParts, TextHead, concat_parts, has_backward_hooks, swiglu, text_head_changes
 from . import pair_loss_op, runtime
 from .pair_loss_op import no_double_backward
 from .runtime import LossOptions, Switches, on_device
@@ -98,7 +98,7 @@ def variant(name: str):
 def supports(head, device: torch.device, dtype: torch.dtype):
     """Any head module, dtype and device, but a head with a backward hook: the gradients are made
     inside the loss's forward, where such a hook cannot run (autograd refuses it, obscurely)."""
-    if any(m._backward_hooks or m._backward_pre_hooks for m in head.modules()):
+    if has_backward_hooks(head):
         return ("backend='torch' computes the head's gradients inside the loss's forward, where a backward hook "
                 "registered on the head cannot run; use backend='reference'")
     return None
