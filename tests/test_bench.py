@@ -59,13 +59,29 @@ def test_pairs_bench_runs_every_cpu_backend_for_both_heads(tmp_path):
     rows = [r for r in json.loads(out.read_text())["rows"] if "seconds" in r]
     timed = {(r["head"], r["method"]) for r in rows}
     for head in ("mlp", "swiglu"):
-        assert {(head, "torch"), (head, "materialised"), (head, "torch pairs=0.02")} <= timed, timed
+        assert {(head, "torch"), (head, "materialised"), (head, "lean naive"), (head, "torch pairs=0.02")} <= timed, timed
     assert ("mlp", "cpp") in timed and ("swiglu", "cpp") not in timed  # cpp takes only TextHead
     assert all(r["reps"] == 2 and r["seconds"] > 0 and r["peak_mem_mb"] >= 0 for r in rows)
     # GFLOP/s counts the per-pair GEMMs: for swiglu its Down projection and lm_head
     sw = next(r for r in rows if r["head"] == "swiglu" and r["method"] == "torch")
     hidden = 128  # ResidualSwiGLUHead's width for m = 8 (its minimum)
     assert sw["gflops"] == pytest.approx(6 * sw["pairs"] * (hidden * 2 * 8 + 8 * 2 * 11) / sw["seconds"] / 1e9)
+
+
+def test_pairs_bench_names_every_peer_it_skips_for_memory(tmp_path):
+    """Over --mem-limit-gb the materialised objective and the lean naive are skipped with a row
+    saying why (the lean naive vanished silently before), and the rest still runs."""
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "pairs.py"), "--T", "6", "--batch", "2",
+                          "--d-model", "8", "--hidden", "8", "--vocab", "11", "--reps", "1", "--no-compile",
+                          "--head", "mlp", "--backends", "torch", "--subsample-T", "0",
+                          "--mem-limit-gb", "1e-9", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    notes = {r["method"]: r["note"] for r in rows if "note" in r}
+    assert notes["materialised"].startswith("skipped: needs about") and notes["lean naive"] == notes["materialised"]
+    assert {r["method"] for r in rows if "seconds" in r} == {"torch"}
 
 
 def test_gpu_check_refuses_an_unknown_backend():
