@@ -73,8 +73,8 @@ V4="fused=fused_ce=1,relu_in_gemm=1,hidden_sums=1,split_16bit=1"
 step 330 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug" --variant "$V4" \
     --variant device-pairs=host_pairs=0
 # the float64 checks with fused_ce, relu_in_gemm, hidden_sums and split_16bit on (the cases' V = 101,
-# 3001, 64, 77 and K = 40, 200, 24, 96: unaligned halves and K-loops with a tail; relu and 3-4 layer
-# heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
+# 3001, 64, 77 and hidden widths 40, 200, 48-24-40, 96, 96-40: unaligned halves and K-loops with a
+# tail; relu at 2 and 3 layers (the last case is where relu_in_gemm acts), 3-4 layer heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
 F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
 step 120 check-fused $F python3 bench/gpu_check.py cuda triton
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
@@ -109,7 +109,7 @@ step 120 gemm python3 bench/gemm_shapes.py --device cuda --quick --out "$out/$na
 # (each dtype and chunk size compiles anew)
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
-# the same float64 checks with the five levers on (bench/gpu_check.py --levers), the backends they touch
+# the same float64 checks with all nine levers on at once (bench/gpu_check.py --levers), the backends they touch
 step 180 check-levers python3 bench/gpu_check.py cuda triton torch --levers
 # Table 3 again with every lever on that changes its columns (the sampler, the bias fold, the
 # structured sums, the cross-entropy's bias sums): the whole step's gain, once levers.py has shown which pay

@@ -49,21 +49,49 @@ def run(f, b, tokens, head, dtype, scale, backend, **opts):
     return loss.detach(), torch.autograd.grad(loss * scale, [f, b, *h.parameters()])
 
 
+# every lever of docs/backends.md: fused_ce takes the last layer where ce_bias_sums would have, so
+# --levers runs the cases twice, without fused_ce (ce_bias_sums acts) and with all nine
+ALL_LEVERS = dict(bias_in_gemm=True, ce_bias_sums=True, vocab_pad=128, structured_sums=True, device_sampler=True,
+                  fused_ce=True, relu_in_gemm=True, hidden_sums=True, split_16bit=True)
+LEVER_RUNS = [dict(ALL_LEVERS, fused_ce=False), ALL_LEVERS]
+
+
 def main(argv=None):
     names = _backend_names()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("device", nargs="?", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("backends", nargs="*", default=[], choices=names, help=f"only these (default: all of {names})")
+    # checked below, not by choices=: Python 3.11's argparse refuses an empty list against choices
+    ap.add_argument("backends", nargs="*", default=[], help=f"only these (default: all of {names})")
     ap.add_argument("--levers", action="store_true",
-                    help="run every case with the levers on: bias_in_gemm, ce_bias_sums, vocab_pad=128, "
-                         "structured_sums, device_sampler")
+                    help="run every case with every lever on: " + ", ".join(f"{k}={v}" for k, v in ALL_LEVERS.items())
+                         + " (and once more without fused_ce, under which ce_bias_sums has nothing to do)")
     args = ap.parse_args(argv)
-    if args.levers:
-        with runtime.switched(bias_in_gemm=True, vocab_pad=128, structured_sums=True, device_sampler=True,
-                              ce_bias_sums=True):
-            print(f"levers on: {runtime.SWITCHES}")
-            return _check_all(args)
-    return _check_all(args)
+    bad = [n for n in args.backends if n not in names]
+    if bad:
+        ap.error(f"argument backends: invalid choice: {bad[0]!r} (choose from {', '.join(map(repr, names))})")
+    if not args.levers:
+        return _check_all(args)
+    failed = 0
+    for levers in LEVER_RUNS:
+        with runtime.switched(**levers):
+            print(f"levers on: {runtime.SWITCHES}", flush=True)
+            failed |= _check_all(args)
+    return failed
+
+
+# The head shapes every backend is checked on (_check_all adds the torch backend's variants, host
+# pair lists and float16 cases built from them)
+BASE_CASES = [
+    dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
+    dict(B=2, L=53, m=32, V=3001, hidden=200, n_layers=3, act="silu",
+         opts=dict(lengths=[53, 41], prefix_start=[0, 3], max_gap=17, next_weight=0.3)),
+    dict(B=4, L=29, m=16, V=64, hidden=[48, 24, 40], n_layers=4, act="gelu_tanh", opts=dict(reduction="sum")),
+    dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="relu", opts=dict(explicit=True)),
+    dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="leaky_relu", opts=dict(pairs=0.3)),
+    # relu with a hidden layer after the split one: where relu_in_gemm (cuBLASLt's epilogue) and
+    # hidden_sums' relu branch act; no other case reaches them
+    dict(B=2, L=40, m=16, V=77, hidden=[96, 40], n_layers=3, act="relu", opts=dict(reduction="row_mean")),
+]
 
 
 def _backend_names():
@@ -73,14 +101,7 @@ def _backend_names():
 def _check_all(args):
     dev, only = args.device, set(args.backends) or set(_backend_names())
     failures = ran = 0
-    cases = [
-        dict(B=3, L=37, m=24, V=101, hidden=40, n_layers=2, act="gelu", opts={}),
-        dict(B=2, L=53, m=32, V=3001, hidden=200, n_layers=3, act="silu",
-             opts=dict(lengths=[53, 41], prefix_start=[0, 3], max_gap=17, next_weight=0.3)),
-        dict(B=4, L=29, m=16, V=64, hidden=[48, 24, 40], n_layers=4, act="gelu_tanh", opts=dict(reduction="sum")),
-        dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="relu", opts=dict(explicit=True)),
-        dict(B=2, L=40, m=16, V=77, hidden=96, n_layers=2, act="leaky_relu", opts=dict(pairs=0.3)),
-    ]
+    cases = list(BASE_CASES)
     # the torch backend (its Triton pair sums on a GPU) with the official head, and with a TextHead
     cases += [dict(c, backend="torch", swiglu=True, bias=k == 1) for k, c in enumerate(cases)]
     cases += [dict(cases[1], backend="torch")]

@@ -16,6 +16,9 @@ from .data import (StarGraphData, StarGraphStream, StarGraphTokenizer, TextData,
 from .decode import Plan, beam_search, plan, sample
 from .head import ResidualSwiGLUHead, TextHead
 from .loss import BACKENDS, BeliefStateLoss, belief_state_loss, separated_documents
+# The C++ ops load with the package (through _pairs): their autograd and fake rules attach now too,
+# so that a raw torch.ops.bst_fast.pair_loss call differentiates and compiles whatever ran first
+from .backends import cpp_backend as _cpp_backend  # noqa: F401
 from .model import BeliefStateTransformer, ForwardOnly, ModelConfig
 from .checkpoint import load_model
 from .config import TrainConfig

@@ -78,6 +78,15 @@ def pair_mask(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
     return (j >= lo[:, :, None]) & (j <= hi[:, :, None])
 
 
+# Token and document ids: torch compares uint16/32/64 tensors on no device (`tokens < 0` raises
+# NotImplementedError), so the checks cannot read them; they are refused by name instead
+ID_DTYPES = "int8, int16, int32, int64 or uint8"
+
+
+def id_dtype_ok(dtype) -> bool:
+    return dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
 def separated_documents(tokens, separator: int):
     """(prefix_ids, suffix_ids) of rows packed the official way (docs/contract.md §10): documents
     joined by a separator token (the EOS), which ends one document for the suffix side and starts
@@ -431,8 +440,8 @@ def check_documents(documents, lengths, B, L, device, values: bool = True):
     names = ["documents"] if len(sides) == 1 else ["documents[0] (prefix ids)", "documents[1] (suffix ids)"]
     downs = []
     for name, ids in zip(names, sides):
-        if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            _fail(ValueError, f"{name} must be a (B, L) integer tensor of document ids, got "
+        if not torch.is_tensor(ids) or not id_dtype_ok(ids.dtype):
+            _fail(ValueError, f"{name} must be a (B, L) integer tensor ({ID_DTYPES}) of document ids, got "
                               + (f"{ids.dtype}" if torch.is_tensor(ids) else type(ids).__name__))
         if tuple(ids.shape) != (B, L):
             _fail(ValueError, f"{name} must have shape (B, L) = ({B}, {L}) to match f, got {tuple(ids.shape)}")
@@ -495,8 +504,8 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     B, L, _ = f.shape
     if not torch.is_tensor(tokens) or tuple(tokens.shape) != (B, L):
         _fail(ValueError, f"tokens must have shape (B, L) = ({B}, {L}) to match f, got {tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        _fail(ValueError, f"tokens must be an integer tensor, got {tokens.dtype}")
+    if not id_dtype_ok(tokens.dtype):
+        _fail(ValueError, f"tokens must be an integer tensor ({ID_DTYPES}), got {tokens.dtype}")
     if tokens.device != f.device:
         _fail(ValueError, f"tokens must be on the device of f ({f.device}), got {tokens.device}")
     if meet_token is not None and (not isinstance(meet_token, int) or isinstance(meet_token, bool)):
@@ -658,8 +667,8 @@ def full_lengths(tokens, lengths=None, vocab_size=None):
     if not torch.is_tensor(tokens) or tokens.dim() != 2:
         raise ValueError(f"tokens must be a (B, L) tensor of ids, got "
                          f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    if not id_dtype_ok(tokens.dtype):
+        raise ValueError(f"tokens must be an integer tensor ({ID_DTYPES}), got {tokens.dtype}")
     B, L = tokens.shape
     given = lengths is not None
     lengths = _as_row_vector(L if lengths is None else lengths, "lengths", B, tokens.device)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_int
-from ._pairs import full_lengths
+from ._pairs import ID_DTYPES, full_lengths, id_dtype_ok
 
 
 def _inference(fn):
@@ -70,8 +70,8 @@ def _check_ids(model, **named):
         t = None if x is None else torch.as_tensor(x)
         if t is None or t.numel() == 0:
             continue
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-            raise ValueError(f"{name} must hold integer token ids, got {t.dtype}")
+        if not id_dtype_ok(t.dtype):
+            raise ValueError(f"{name} must hold integer token ids ({ID_DTYPES}), got {t.dtype}")
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or V is not None and hi >= V:
             bad = lo if lo < 0 else hi

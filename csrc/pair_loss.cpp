@@ -184,8 +184,10 @@ void check_inputs(const at::Tensor& A, const at::Tensor& Bm, at::TensorList weig
   auto ps = prefix_start.contiguous();
   for (const auto r : c10::irange(B)) {
     const int64_t n = len.data_ptr<int64_t>()[r];
-    TORCH_CHECK(n >= 0 && n <= L, "lengths[", r, "] must lie in [0, ", L, "], got ", n);
-    TORCH_CHECK(ps.data_ptr<int64_t>()[r] >= 0, "prefix_start[", r, "] must be >= 0");
+    // ValueError, as the eager checks of _pairs.py say it (torch.compile skips those)
+    TORCH_CHECK_VALUE(n >= 0 && n <= L, "lengths must lie in [0, L=", L, "], got lengths[", r, "] = ", n);
+    TORCH_CHECK_VALUE(ps.data_ptr<int64_t>()[r] >= 0, "prefix_start must be >= 0, got prefix_start[", r,
+                      "] = ", ps.data_ptr<int64_t>()[r]);
   }
 }
 
@@ -258,10 +260,10 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
     for (const auto p : c10::irange(walk.total)) {
       const int64_t r = walk.row[p], i = walk.pi[p], j = walk.pj[p];
       // Bounds first: once 0 <= i, j < L, the gap j - i cannot overflow.
-      TORCH_CHECK(r >= 0 && r < B && i >= 0 && i < L && j >= 0 && j < L && i >= ps[r] &&
-                      j - i >= min_gap && j - i <= max_gap && j <= len[r] - 1,
-                  "pair ", p, " = (row=", r, ", i=", i, ", j=", j,
-                  ") is not a valid pair of docs/contract.md §2");
+      TORCH_CHECK_VALUE(r >= 0 && r < B && i >= 0 && i < L && j >= 0 && j < L && i >= ps[r] &&
+                            j - i >= min_gap && j - i <= max_gap && j <= len[r] - 1,
+                        "pairs[", p, "] = (row=", r, ", i=", i, ", j=", j,
+                        ") is not a valid pair of docs/contract.md §2");
     }
   } else {
     TORCH_CHECK(weight.dim() == 0 || (weight.dim() == 1 && weight.size(0) == B),

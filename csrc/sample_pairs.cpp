@@ -8,7 +8,10 @@
 //
 // Memory: the chosen set is a byte per pair (n bytes, a linear scan) while k is at least n / 64,
 // else a hash set of the k indices, sorted (8k bytes and k log k): a few pairs of a long row
-// (T = 32k holds 5e8 pairs) take kilobytes, not half a gigabyte. Both record the same draws.
+// (T = 32k holds 5e8 pairs) take kilobytes for the set, not half a gigabyte. Both record the same
+// draws. Beside the set, a row's walk keeps 24 bytes per prefix position (its first pair's flat
+// index, i and j: 0.8 MB at T = 32k), so a thread's memory grows with its row's length, not with k:
+// belief_state_loss's rows are bounded by f's L; a raw call with lengths near 2^31 asks for ~48 GB.
 #include "bst_fast.h"
 
 #include <ATen/Parallel.h>

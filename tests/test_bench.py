@@ -1,5 +1,6 @@
 """The benchmark scripts run first time: their one GPU run is short and costly, so what can be
 checked on the CPU is checked here (in subprocesses: bench/ stays off this process's path)."""
+import dataclasses
 import json
 import os
 import re
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from bst_fast.backends import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_SH = ROOT / "bench" / "gpu.sh"
@@ -82,6 +85,27 @@ def test_pairs_bench_names_every_peer_it_skips_for_memory(tmp_path):
     notes = {r["method"]: r["note"] for r in rows if "note" in r}
     assert notes["materialised"].startswith("skipped: needs about") and notes["lean naive"] == notes["materialised"]
     assert {r["method"] for r in rows if "seconds" in r} == {"torch"}
+
+
+def test_gpu_check_levers_turn_on_every_lever_and_a_case_reaches_relu_in_gemm(monkeypatch):
+    """--levers holds every lever of docs/backends.md's table to float64 (it turned on five of nine),
+    and one case is a relu head with a hidden layer after the split one, the only kind relu_in_gemm
+    and hidden_sums' relu branch act on (no case was)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_gpu_check", ROOT / "bench" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, check)
+    spec.loader.exec_module(check)
+    table = (ROOT / "docs" / "backends.md").read_text().split("### Levers", 1)[1]
+    assert set(re.findall(r"^\| `(\w+)(?:=\d+)?` \|", table, flags=re.M)) == set(check.ALL_LEVERS)
+    assert any(c["act"] == "relu" and c["n_layers"] >= 3 for c in check.BASE_CASES)
+    seen = []
+    monkeypatch.setattr(check, "_check_all", lambda args: seen.append(dataclasses.asdict(runtime.SWITCHES)) or 0)
+    assert check.main(["cpu", "--levers"]) == 0  # no backend named: every one (Python 3.11 refused that)
+    assert len(seen) == 2 and all(seen[1][k] == v for k, v in check.ALL_LEVERS.items()), seen
+    # the first run without fused_ce, under which ce_bias_sums has nothing to do
+    assert all(seen[0][k] == v for k, v in check.ALL_LEVERS.items() if k != "fused_ce") and not seen[0]["fused_ce"]
 
 
 def test_gpu_check_refuses_an_unknown_backend():

@@ -153,6 +153,9 @@ def test_cached_decoding_equals_full_reencoding(kind):
     (lambda m: decode.plan(m, [4, 0], (), horizon=2, eos_id=EOS, score_last=4), "score_last"),
     (lambda m: decode.plan(m, [4] * 20, [1, 2, 3], horizon=1, eos_id=EOS), "max_len"),
     (lambda m: decode.sample(m, [4, 0], 2, EOS, goal=[1] * 24), "goal and EOS"),
+    # no comparison of uint16/32/64 in torch: refused by name, not a NotImplementedError from min()
+    (lambda m: decode.sample(m, torch.tensor([4, 0], dtype=torch.uint16), 2, EOS), r"prefix must hold integer token ids .*uint16"),
+    (lambda m: decode.plan(m, [4, 0], torch.tensor([1], dtype=torch.uint32), horizon=2, eos_id=EOS), r"goal must hold integer.*uint32"),
     (lambda m: decode.BSTSearch(m, EOS).score(torch.zeros(1, 5, dtype=torch.long), 1, "nxt"), "head"),
     (lambda m: decode.plan(tiny_forward(), [4, 0], (), horizon=2, rollouts=3, eos_id=EOS), "Belief State Transformer"),
     (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([0])), "lengths"),

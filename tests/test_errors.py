@@ -1,6 +1,7 @@
 """Bad input (issue 2 §6): a ValueError (IndexError for token ids) naming the argument, through every
 backend; NaN/inf propagate; the raw ops raise RuntimeError (ValueError or IndexError where their
-value checks stand in for prepare's under torch.compile) and never crash."""
+value checks stand in for prepare's under torch.compile: lengths, prefix_start, listed pairs, tokens,
+weights, a batch with no pair) and never crash."""
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,11 @@ BAD = {
                                ValueError, r"pairs\[0\].*no rows"),
     "generator_int": (lambda x: dict(pairs=0.5, generator=123), ValueError, "generator must be None or a torch.Generator"),
     "lengths_int_beyond_int64": (lambda x: dict(lengths=2**70), ValueError, "lengths must fit in int64"),
+    # torch compares no uint16/32/64 tensor: a NotImplementedError from inside a check before
+    "tokens_uint16": (lambda x: dict(tokens=x[2].to(torch.uint16)), ValueError, r"tokens must be an integer tensor \(int8, .*got torch.uint16"),
+    "tokens_uint64": (lambda x: dict(tokens=x[2].to(torch.uint64)), ValueError, r"tokens must be an integer tensor .*got torch.uint64"),
+    "documents_uint32": (lambda x: dict(documents=torch.zeros(x[2].shape, dtype=torch.uint32)), ValueError,
+                         r"documents must be a \(B, L\) integer tensor .*got torch.uint32"),
     "prefix_start_int_beyond_int64": (lambda x: dict(prefix_start=2**64), ValueError, "prefix_start must fit in int64"),
 }
 
@@ -273,15 +279,15 @@ OP_MATCH = {
     "weight_in_width": r"weights\[0\] must be", "weight_chain": r"weights\[1\] must be", "bias_width": r"biases\[0\]",
     "odd_output": "2V outputs", "weight_double": r"weights\[0\] must be", "tokens_shape": r"tokens must be int64 CPU \(2, 9\), got \[2, 8\]",
     "tokens_int32": "tokens must be int64", "token_negative": r"tokens\[0, 0\] = -1", "token_too_big": r"tokens\[0, 0\] = 4",
-    "lengths_above_L": r"lengths\[0\] must lie", "lengths_negative": r"lengths\[1\] must lie",
+    "lengths_above_L": r"lengths must lie in \[0, L=9\], got lengths\[0\] = ", "lengths_negative": r"got lengths\[1\] = -",
     "lengths_shape": r"got \[1\]", "lengths_int32": r"lengths must be int64 CPU \(2,\), got \[2\] Int",
-    "prefix_start_negative": r"prefix_start\[1\] must be >= 0", "prefix_start_shape": r"got \[3\]",
+    "prefix_start_negative": r"prefix_start must be >= 0, got prefix_start\[1\] = -", "prefix_start_shape": r"got \[3\]",
     "min_gap_1": "min_gap must be >= 2", "max_gap_below_min_gap": "max_gap must be >= min_gap", "next_weight": "next_weight",
     "activation": "activation must be one of", "weight_not_scalar": "weight must be a 0-dim", "row_without_i": "given together",
     "pair_list_weight_count": "one entry per pair", "pair_list_lengths_differ": r"j must be an int64 CPU vector as long as row \(2\), got \[1\]",
     "pair_list_int32": r"row must be an int64 CPU vector .* Int", "weight_inf": r"weight\[0\] must be finite",
     "no_pair_inf_scale": "no valid pair at all",
-    **{case: rf"pair {k} = .* is not a valid pair" for case, k in (
+    **{case: rf"pairs\[{k}\] = .* is not a valid pair" for case, k in (
         ("pair_row_out_of_range", 1), ("pair_row_negative", 0), ("pair_j_beyond_length", 1), ("pair_j_beyond_L", 1),
         ("pair_gap_too_small", 0), ("pair_i_before_prefix_start", 1), ("pair_i_negative", 0))},
 }
@@ -290,7 +296,9 @@ OP_MATCH = {
 # The errors belief_state_loss raises in eager mode, where the op's own check is the one that runs
 # under torch.compile; the rest are the op's RuntimeError.
 OP_ERROR = {"token_negative": IndexError, "token_too_big": IndexError, "weight_inf": ValueError,
-            "no_pair_inf_scale": ValueError}
+            "no_pair_inf_scale": ValueError, "lengths_above_L": ValueError, "lengths_negative": ValueError,
+            "prefix_start_negative": ValueError,
+            **{case: ValueError for case in OP_MATCH if case.startswith("pair_") and "list" not in case}}
 
 
 @pytest.mark.parametrize("case", list(OP_BAD))
@@ -396,7 +404,7 @@ reference = call(max_gap=8)  # every pair: no gap above L - 1 = 8 exists
 I64_MAX = 2**63 - 1
 EXTREME = {
     # The pair (0, 2**63 - 2, -2**63): i + min_gap and i + max_gap wrap around to pass the checks;
-    # it must be refused (RuntimeError), not read out of bounds.
+    # it must be refused (ValueError, as in eager mode), not read out of bounds.
     "pair_i_near_int64_max": ("out = call(min_gap=2, max_gap=3, row=torch.tensor([0]), i=torch.tensor([2**63 - 2]), "
                               "j=torch.tensor([-2**63]), weight=torch.ones(1, dtype=torch.float64))", True),
     # The rest are valid arguments with a well-defined answer (a huge max_gap is no limit; a huge
@@ -449,14 +457,14 @@ def _limit_memory():
 
 @pytest.mark.parametrize("case", list(EXTREME))
 def test_ops_extreme_integers_do_not_crash(case):
-    """A RuntimeError for a bad pair, the right answer for valid extremes; never a crash, a hang or
+    """A ValueError for a bad pair, the right answer for valid extremes; never a crash, a hang or
     a silently wrong loss."""
     code, must_raise = EXTREME[case]
     script = _PRELUDE + textwrap.dedent(f"""
         try:
             {code}
-        except RuntimeError as e:
-            print("RuntimeError:", e)
+        except (RuntimeError, ValueError) as e:
+            print(type(e).__name__ + ":", e)
         else:
             print("OK")
     """)
@@ -467,7 +475,7 @@ def test_ops_extreme_integers_do_not_crash(case):
         pytest.fail(f"{case}: the op hung (no answer in 30 s)")
     out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"{case}: exit code {proc.returncode}: {proc.stderr[-2000:]}"
-    assert out.startswith("RuntimeError") if must_raise else out == "OK", out
+    assert out.startswith("ValueError: pairs[0] = ") if must_raise else out == "OK", out
 
 
 def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch):
@@ -506,6 +514,41 @@ def test_compiled_loss_raises_the_eager_errors():
         loss(torch.tensor([1, 1]), tokens)
     with pytest.raises(IndexError, match=r"tokens must lie in \[0, vocab_size=5\).*tokens\[0, 0\] = 9"):
         loss(torch.tensor([6, 6]), torch.full_like(tokens, 9))
+    # the op's checks of lengths, prefix_start and listed pairs raise ValueError too (RuntimeError before)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, L=6\], got lengths\[1\] = 9"):
+        loss(torch.tensor([6, 9]), tokens)
+    start = torch.compile(lambda s: belief_state_loss(f, b, tokens, head, prefix_start=s, backend="cpp"), fullgraph=True)
+    with pytest.raises(ValueError, match=r"prefix_start must be >= 0, got prefix_start\[0\] = -1"):
+        start(torch.tensor([-1, 0]))
+    listed = torch.compile(lambda i: belief_state_loss(f, b, tokens, head, pairs=(torch.tensor([0, 1]), i, torch.tensor([3, 2])),
+                                                       backend="cpp"), fullgraph=True)
+    with pytest.raises(ValueError, match=r"pairs\[1\] = \(row=1, i=1, j=2\) is not a valid pair"):
+        listed(torch.tensor([0, 1]))
+
+
+def test_the_raw_op_differentiates_and_compiles_after_import_bst_fast_alone():
+    """`import bst_fast` loads the C++ op, and with it its autograd and fake rules: before, they came
+    with the cpp backend's module, so a raw call's backward left A.grad None (only a warning) and
+    FakeTensorMode had no kernel until a cpp loss had run (run in a fresh process: this one has)."""
+    code = """if 1:
+        import torch, bst_fast
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(2, 6, 4, generator=g, requires_grad=True)
+        args = [torch.randn(2, 6, 4, generator=g), [torch.randn(6, 4, generator=g)], [torch.randn(6, generator=g)],
+                torch.randint(0, 3, (2, 6), generator=g), torch.tensor([6, 6]), torch.tensor([0, 0]), 2, 6,
+                None, None, None, torch.tensor(0.1, dtype=torch.float64), 0.5, "gelu", True]
+        torch.ops.bst_fast.pair_loss(A, *args)[0].backward()
+        assert A.grad is not None and A.grad.abs().sum() > 0
+        with FakeTensorMode() as mode:
+            out = torch.ops.bst_fast.pair_loss(mode.from_tensor(A), *[mode.from_tensor(x) if torch.is_tensor(x) else
+                                                                     [mode.from_tensor(y) for y in x] if isinstance(x, list) else x
+                                                                     for x in args])
+        assert out[0].shape == () and out[1].shape == A.shape
+        print("ok")
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_op_arguments_on_another_device_and_bad_weights_are_refused():
