@@ -49,6 +49,9 @@ class Pairs:
 def j_range(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
     """(lo, hi), each (B, L): prefix (r, i) pairs with every j in [lo, hi] (none when hi < lo or
     i < prefix_start[r], which leaves hi < lo): gaps, the row's length and its documents' bounds."""
+    # gaps beyond L are no limit (max_gap) or no pair (min_gap): clamped, so that i + gap stays in
+    # int64 (a config's max_gap of 10**20 overflowed here, 2**63 - 1 wrapped to negative ranges)
+    min_gap, max_gap = min(min_gap, L), min(max_gap, L)
     i = torch.arange(L, device=lengths.device)[None]  # (1, L)
     lo = (i + min_gap).expand(lengths.shape[0], L)
     hi = torch.minimum(i + max_gap, lengths[:, None] - 1)  # (B, L)
@@ -62,6 +65,17 @@ def prefix_counts(lengths, prefix_start, min_gap, max_gap, L, bounds=None):
     """(B, L): the number of valid j's of each prefix (r, i), the j's of j_range."""
     lo, hi = j_range(lengths, prefix_start, min_gap, max_gap, L, bounds)
     return (hi - lo + 1).clamp(min=0)
+
+
+def sample_counts(pairs, counts):
+    """k_r of docs/contract.md §5, the pairs a subsample draws from each row: for `pairs` a fraction,
+    round(pairs * |P_r|) and at least 1; for a count per row, min(pairs, |P_r|); 0 for a row with no
+    pair. `counts`: the rows' |P_r| (an int64 tensor)."""
+    if isinstance(pairs, float):
+        k = torch.round(pairs * counts.double()).long().clamp(min=1)
+    else:
+        k = torch.full_like(counts, min(pairs, 2**62))  # 2**62 fits int64
+    return torch.minimum(k, counts)
 
 
 def pair_counts(lengths, prefix_start, min_gap, max_gap, L, documents=None):
@@ -633,15 +647,11 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
 
     if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
         _fail(ValueError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
-    if isinstance(pairs, float):
-        if not 0.0 < pairs <= 1.0:
-            _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
-        k = torch.round(pairs * counts.double()).long().clamp(min=1)
-    else:
-        if pairs < 1:
-            _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
-        k = torch.full_like(counts, min(pairs, 2**62))  # k_r = min(k, |P_r|) below; 2**62 fits int64
-    k = torch.minimum(k, counts)
+    if isinstance(pairs, float) and not 0.0 < pairs <= 1.0:
+        _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
+    if isinstance(pairs, int) and pairs < 1:
+        _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
+    k = sample_counts(pairs, counts)
     if bounds is None:
         sampler = sample_on_device if device_sampler else sample_pairs
         row, i, j = sampler(lengths, prefix_start, min_gap, gmax, k, generator)

@@ -18,6 +18,8 @@ HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGL
 
 
 ATTENTIONS = ("sdpa", "flex")
+FLEX_ON_CPU = ("model.attention 'flex' trains on a CUDA GPU only (torch's flex_attention has no backward on the "
+               "CPU): use 'sdpa' there")
 
 
 @dataclass
@@ -31,8 +33,10 @@ class ModelConfig:
     dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: docs/results.md#heads)
     # one encoder for both directions, told apart by a segment embedding added once to the input
     # (the paper: "in each transformer residual block"; the official code has no shared variant)
-    shared_encoders: bool = False
+    shared_encoders: bool = False  # with backward_encoder false there is nothing to share: no effect
     head_type: str = "mlp"  # "mlp": TextHead (the paper's); "swiglu": ResidualSwiGLUHead (the official code's)
+    # the 'mlp' TextHead's shape; the 'swiglu' head is the official one, of its own width
+    # (8 * 2m / 3 rounded up to 128) and form, and does not read these three
     head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
     head_layers: int = 2  # TextHead Linear layers
     head_activation: str = "gelu"  # TextHead activation
@@ -44,8 +48,10 @@ class ModelConfig:
     attention: str = "sdpa"
 
     def check(self, prefix: str = "model."):
-        """Raise a ValueError naming the first field out of range (`prefix` + its name); the head's
-        fields are checked whichever head (and method) uses them, so no value is silently ignored."""
+        """Raise a ValueError naming the first field out of range (`prefix` + its name). The head's
+        fields are checked whichever head (and method) uses them, so that one config can switch heads
+        and methods (`star` and `table` train several from one): head_hidden, head_layers and
+        head_activation shape the 'mlp' TextHead only, and shared_encoders needs a backward encoder."""
         def bad(name, want):
             raise ValueError(f"config field {prefix + name!r} must be {want}, got {getattr(self, name)!r}")
 
@@ -110,8 +116,7 @@ class Block(nn.Module):
             raise ValueError("a cached encoder reads a prompt once, then one token at a time")
         if mask is not None and not torch.is_tensor(mask):  # a BlockMask (ModelConfig.attention "flex")
             if x.device.type == "cpu" and torch.is_grad_enabled() and x.requires_grad:
-                raise ValueError("model.attention 'flex' trains on a CUDA GPU only (torch's flex_attention has "
-                                 "no backward on the CPU): use 'sdpa' there")
+                raise ValueError(FLEX_ON_CPU)
             # the mask covers whole blocks (document_mask): q, k and v padded to its length, the
             # padded queries' rows dropped; the real queries never see the padded keys (k <= q)
             pad = mask.seq_lengths[0] - T
@@ -260,7 +265,9 @@ def next_token_mask(lengths, prefix_start, L, documents=None):
 def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None, documents=None):
     """Plain next-token CE of lm_head(f_i) against tokens[i+1] over next_token_mask's positions."""
     mask = next_token_mask(lengths, prefix_start, tokens.shape[1], documents)  # (B, L-1)
-    ce = F.cross_entropy(lm_head(f[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
+    logits = lm_head(f[:, :-1])  # 16-bit logits upcast to float32; a float64 model's kept
+    ce = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2), tokens[:, 1:],
+                         reduction="none")
     if total is None:
         total = mask.sum()
         if not torch.compiler.is_compiling() and int(total) == 0:  # the trainer passes its total: no sync
@@ -377,6 +384,8 @@ class BeliefStateTransformer(nn.Module):
         if pair_total is not None and not pair_total > 0:
             raise ValueError(f"pair_total must be > 0 (the whole batch's pair count), got {pair_total}: "
                              "the batch has no valid pair at all")
+        if row_total is not None and not 0 < row_total < float("inf"):  # nan too
+            raise ValueError(f"row_total must be a finite number > 0 (the whole batch's row count), got {row_total}")
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=loss_lengths,
                                        prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,

@@ -15,7 +15,7 @@ from typing import Any, List, NamedTuple, Optional, Union
 
 import torch
 
-from ._pairs import pair_counts
+from ._pairs import pair_counts, sample_counts
 from .config import TrainConfig
 from .decode import sample
 from .files import atomic_write
@@ -61,13 +61,15 @@ class Objective:
                    min_gap=cfg.min_gap, max_gap=cfg.max_gap, meet_token=meet, reduction=cfg.reduction)
 
     def totals(self, lengths, start_pos, L, documents=None):
-        """(pairs, next-token targets) of rows of `lengths` (at most L) with starts `start_pos` and,
-        packed, (B, L) `documents`: the counts a mean over a batch split across ranks or
-        micro-batches divides by. A target is a position i with i + 1 in its document."""
+        """(pairs, next-token targets, pairs drawn) of rows of `lengths` (at most L) with starts
+        `start_pos` and, packed, (B, L) `documents`: the counts a mean over a batch split across
+        ranks or micro-batches divides by (a target is a position i with i + 1 in its document),
+        and the pairs the loss reads (all, or the subsample's k_r, docs/contract.md §5)."""
         pairs = pair_counts(lengths, start_pos, self.min_gap, L if self.max_gap is None else self.max_gap, L,
                             documents=documents)
         targets = next_token_mask(lengths, start_pos, L, documents)
-        return pairs.sum().item(), targets.sum().item()
+        drawn = pairs if self.pairs is None else sample_counts(self.pairs, pairs)
+        return pairs.sum().item(), targets.sum().item(), drawn.sum().item()
 
     def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total,
                  documents=None):

@@ -33,6 +33,7 @@ from ._pairs import to_device
 from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
                          verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
+from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
 from .tasks import (RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
                     rank_failure, sum_over_ranks)
@@ -122,6 +123,7 @@ class Batch(NamedTuple):
     token_total: float
     row_total: float
     documents: Optional[torch.Tensor] = None  # packed rows' (B, L) document ids (docs/contract.md §10)
+    pairs_drawn: float = 0.0  # the pairs the loss reads (a subsample's k_r summed), for pairs_per_s
 
     def split(self, n: int) -> List["Batch"]:
         """`n` micro-batches of consecutive rows, each keeping the whole batch's totals."""
@@ -169,8 +171,8 @@ class Run:
         """Step `step`'s rows for this rank and the global counts the loss is normalised by."""
         tokens, lengths, row_start, documents = self.task.rows(step, self.cfg.batch_size)  # the global batch, (B, L)
         start_pos = torch.full_like(lengths, self.task.prefix_start) if row_start is None else row_start
-        pair_total, token_total = (n / self.world for n in
-                                   self.objective.totals(lengths, start_pos, tokens.shape[1], documents))
+        pair_total, token_total, drawn = (n / self.world for n in
+                                          self.objective.totals(lengths, start_pos, tokens.shape[1], documents))
         r, w = self.rank, self.world
         # The rows go up without blocking (pinned), and the lengths stay on the host, where the loss
         # draws a subsample from them while the GPU runs the encoders: a step reads nothing back.
@@ -178,7 +180,7 @@ class Run:
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = self.task.prefix_start if row_start is None else up(row_start)
         return Batch(up(tokens), lengths[r::w].contiguous(), prefix_start, float(pair_total), float(token_total),
-                     len(tokens) / w, None if documents is None else up(documents))
+                     len(tokens) / w, None if documents is None else up(documents), float(drawn))
 
     def close(self):
         if self.bar is not None:
@@ -219,8 +221,10 @@ def train_step(run: Run, step: int) -> torch.Tensor:
             torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
         run.optimizer.step()
         run.scheduler.step()
-    run.tokens_seen += int(batch.tokens.numel())
-    run.pairs_seen += batch.pair_total * (cfg.pairs or 1.0) if cfg.method == "bst" else 0
+    # tokens: the rows' valid positions (padding is not counted); pairs: those the loss read (until
+    # stop 38 pair_total * pairs, which missed the subsample's rounding and its at-least-one)
+    run.tokens_seen += int(batch.lengths.sum())
+    run.pairs_seen += batch.pairs_drawn if cfg.method == "bst" else 0
     return loss
 
 
@@ -297,6 +301,9 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
         # the backend takes this head on this device, and the data gives a batch
         with torch.enable_grad() if run.cfg.compile else torch.no_grad():
             part = run.batch(start).split(run.cfg.grad_accum)[0]
+            # the first step's backward would refuse it (this forward runs without grad): refused now
+            if part.documents is not None and run.cfg.model.attention == "flex" and torch.device(device).type == "cpu":
+                raise ValueError(FLEX_ON_CPU)
             with autocast_for(device):
                 run.objective(run.model, part.tokens, part.lengths, prefix_start=part.prefix_start,
                               generator=torch.Generator(), pair_total=part.pair_total, token_total=part.token_total,

@@ -623,7 +623,9 @@ def test_model_config_types_are_checked_by_name():
     from bst_fast.model import ModelConfig
 
     for field, value, want in (("n_layer", 1.5, "an int"), ("d_model", "8", "an int"),
-                               ("gpt_head", 1, "true or false"), ("mlp_ratio", True, "a number")):
+                               ("gpt_head", 1, "true or false"), ("mlp_ratio", True, "a number"),
+                               # a float width was "TypeError: 'float' object is not iterable"
+                               ("head_hidden", 16.0, "a positive int or a list"), ("head_hidden", "16", "a positive int")):
         with pytest.raises(ValueError, match=f"'model.{field}' must be {want}"):
             ModelConfig(**{field: value}).check()
 

@@ -169,7 +169,7 @@ def test_a_packed_batch_is_its_documents_trained_alone(tmp_path, pack):
     for k, u in enumerate(units):
         alone[k, :len(u)] = torch.tensor(u)
     lengths = torch.tensor([len(u) for u in units])
-    pairs, targets = run.objective.totals(lengths, torch.zeros_like(lengths), alone.shape[1])
+    pairs, targets, _ = run.objective.totals(lengths, torch.zeros_like(lengths), alone.shape[1])
     assert (batch.pair_total, batch.token_total) == (pairs, targets)
     assert pairs == sum((n - 1) * (n - 2) // 2 for n in lengths.tolist())
     model = run.model.eval()

@@ -139,6 +139,10 @@ def test_a_batch_without_pairs_is_refused_by_the_model_and_the_trainer(tmp_path,
                       pair_total=0.0, token_total=1.0, row_total=2)
     with pytest.raises(ValueError, match="pair_total must be > 0"):
         train(text(tmp_path, reduction=reduction, min_gap=100, steps=2))
+    for rows in (0, float("nan"), float("inf")):  # a ZeroDivisionError, a NaN loss before
+        with pytest.raises(ValueError, match="row_total must be a finite number > 0"):
+            run.objective(run.model, torch.randint(3, 9, (2, 6)), torch.tensor([6, 6]), prefix_start=0,
+                          generator=torch.Generator(), pair_total=12.0, token_total=10.0, row_total=rows)
 
 
 def test_grad_accum_resume_is_bitwise_exact(tmp_path):
@@ -187,3 +191,45 @@ def test_objective_from_config_needs_an_eos_for_eos():
     with pytest.raises(ValueError, match="meet_token"):
         Objective.from_config(cfg)
     assert Objective.from_config(cfg, eos_id=5).meet_token == 5
+
+
+@pytest.mark.parametrize("pairs", [0.01, 0.3, 1.0, None])
+def test_rates_count_the_pairs_the_loss_draws_and_the_valid_tokens(tmp_path, monkeypatch, pairs):
+    """pairs_per_s counts the pairs the loss reads: a fraction's round(rho |P_r|) with at least one
+    a row (pair_total * pairs before stop 38: 0.48 for 8 drawn at 0.01); tokens_per_s counts valid
+    positions, not padding."""
+    from bst_fast import _pairs
+
+    drawn = []
+    real = _pairs.sample_pairs
+    monkeypatch.setattr(_pairs, "sample_pairs", lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
+    for kind, cfg in (("star", tiny(tmp_path / "s", pairs=pairs)), ("text", text(tmp_path, pairs=pairs))):
+        run = build_run(cfg.check(), "cpu")
+        drawn.clear()
+        batch = run.batch(0)
+        before = (run.tokens_seen, run.pairs_seen)
+        train_step(run, 0)
+        read = sum(len(r) for r, _, _ in drawn) if pairs is not None else batch.pair_total
+        assert run.pairs_seen - before[1] == read > 0, kind
+        assert run.tokens_seen - before[0] == int(batch.lengths.sum()), kind
+        if kind == "text":  # rows of unequal length: padding is left out
+            assert int(batch.lengths.sum()) < batch.tokens.numel()
+        run.close()
+
+
+def test_flex_attention_on_packed_cpu_rows_is_refused_before_the_folder(tmp_path):
+    """flex_attention has no backward on the CPU: packed rows with attention 'flex' are refused at the
+    first batch's check, before anything is written (the first step refused them, after the claim)."""
+    cfg = text(tmp_path, pack=True, steps=2, **{"model.attention": "flex"})
+    with pytest.raises(ValueError, match="'flex' trains on a CUDA GPU only"):
+        train(cfg, device="cpu")
+    assert not Path(cfg.out_dir).exists()
+
+
+@pytest.mark.parametrize("gap", [10**20, 2**63 - 1])
+def test_a_huge_max_gap_in_a_config_is_no_limit(tmp_path, gap):
+    """A max_gap past int64 raised a bare OverflowError in the pair counts, and 2**63 - 1 wrapped
+    i + max_gap to negative ranges there; both are no limit, as belief_state_loss takes them."""
+    want = build_run(tiny(tmp_path / "none").check(), "cpu").batch(0)
+    got = build_run(tiny(tmp_path / "huge", max_gap=gap).check(), "cpu").batch(0)
+    assert got.pair_total == want.pair_total > 0 and got.pairs_drawn == want.pairs_drawn
