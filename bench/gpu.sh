@@ -110,7 +110,7 @@ step 120 gemm python3 bench/gemm_shapes.py --device cuda --quick --out "$out/$na
 [ "$quick" = 1 ] && C="cuda triton torch torch+unfused" || C=""
 step 240 check python3 bench/gpu_check.py $C
 # the same float64 checks with all nine levers on at once (bench/gpu_check.py --levers), the backends they touch
-step 180 check-levers python3 bench/gpu_check.py cuda triton torch --levers
+step 300 check-levers python3 bench/gpu_check.py cuda triton torch --levers
 # Table 3 again with every lever on that changes its columns (the sampler, the bias fold, the
 # structured sums, the cross-entropy's bias sums): the whole step's gain, once levers.py has shown which pay
 step 270 paper-levers env BST_FAST_BIAS_IN_GEMM=1 BST_FAST_CE_BIAS_SUMS=1 BST_FAST_STRUCTURED_SUMS=1 BST_FAST_DEVICE_SAMPLER=1 \

@@ -5,7 +5,7 @@ line per case and exits nonzero on any failure.
 
     python bench/gpu_check.py                 # needs a CUDA GPU
     python bench/gpu_check.py cuda torch      # one device, only the named backends
-    python bench/gpu_check.py --levers        # every case with the five levers on (docs/backends.md)
+    python bench/gpu_check.py --levers        # every case with every lever on, twice (docs/backends.md)
 
 With the triton backend it also counts the device synchronisations of a subsampled loss whose
 lengths are on the host (torch.cuda.set_sync_debug_mode): one, the op's token check after its

@@ -70,8 +70,10 @@ def _check_ids(model, **named):
         t = None if x is None else torch.as_tensor(x)
         if t is None or t.numel() == 0:
             continue
+        if t.dtype in (torch.uint16, torch.uint32):  # lossless in int64: a prepared corpus's ids, say
+            t = t.long()
         if not id_dtype_ok(t.dtype):
-            raise ValueError(f"{name} must hold integer token ids ({ID_DTYPES}), got {t.dtype}")
+            raise ValueError(f"{name} must hold integer token ids ({ID_DTYPES}, uint16 or uint32), got {t.dtype}")
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or V is not None and hi >= V:
             bad = lo if lo < 0 else hi

@@ -72,7 +72,7 @@ def text_head_problem(hidden, n_layers, activation) -> Optional[Tuple[str, str]]
     of range, else None: one check for the module and for ModelConfig's head_* fields."""
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 2:
         return "n_layers", "an int >= 2 (the first layer splits into prefix and suffix parts)"
-    if not isinstance(hidden, (int, list, tuple)):  # a float, a string: not an int nor a list of widths
+    if isinstance(hidden, bool) or not isinstance(hidden, (int, list, tuple)):  # a float, a string, a bool
         return "hidden", f"a positive int or a list of n_layers - 1 = {n_layers - 1} positive ints"
     widths = [hidden] if isinstance(hidden, int) and not isinstance(hidden, bool) else list(hidden)
     if (not isinstance(hidden, int) and len(widths) != n_layers - 1

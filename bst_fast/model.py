@@ -152,6 +152,7 @@ class Encoder(nn.Module):
         `documents` ((B, T) document ids of packed rows) only its own document's tokens up to t,
         at positions counted from the document's start. `segment` (an encoder with segments): one
         id for every row, or a (B,) long tensor of each row's own (both directions in one call)."""
+        tokens = tokens.long()  # the embedding reads int64 (int32 too); ids may come as int8..int64, uint8
         T = tokens.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")
@@ -373,6 +374,7 @@ class BeliefStateTransformer(nn.Module):
         # encoders run; the encoders take them on the tokens' device
         given = lengths
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
+        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
         loss_lengths = given if host_known(given) else lengths
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
@@ -414,6 +416,7 @@ class ForwardOnly(nn.Module):
 
     def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **_):
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
+        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
         if documents is not None:
             check_documents(documents, lengths, *tokens.shape, tokens.device)
         f = self.forward_encoder(tokens, documents=document_sides(documents)[0])
@@ -440,6 +443,7 @@ class Teacherless(ForwardOnly):
             raise ValueError("documents (packed rows) are not supported by the teacherless model: "
                              "its answer spans one row")
         lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
+        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}

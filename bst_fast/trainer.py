@@ -124,6 +124,7 @@ class Batch(NamedTuple):
     row_total: float
     documents: Optional[torch.Tensor] = None  # packed rows' (B, L) document ids (docs/contract.md §10)
     pairs_drawn: float = 0.0  # the pairs the loss reads (a subsample's k_r summed), for pairs_per_s
+    positions: float = 0.0  # valid positions (BOS and EOS in, padding out), for tokens_per_s
 
     def split(self, n: int) -> List["Batch"]:
         """`n` micro-batches of consecutive rows, each keeping the whole batch's totals."""
@@ -163,7 +164,7 @@ class Run:
     n_sum: int = 0
     n_logged: int = 0  # steps metrics.csv has rows for (a checkpoint records it; a resume checks it)
     t0: float = 0.0
-    tokens_seen: int = 0
+    tokens_seen: float = 0.0
     pairs_seen: float = 0.0
     n_timed: int = 0
 
@@ -180,7 +181,8 @@ class Run:
         # A per-row start only where rows differ (FIM); the int keeps the other methods' kernels as they were.
         prefix_start = self.task.prefix_start if row_start is None else up(row_start)
         return Batch(up(tokens), lengths[r::w].contiguous(), prefix_start, float(pair_total), float(token_total),
-                     len(tokens) / w, None if documents is None else up(documents), float(drawn))
+                     len(tokens) / w, None if documents is None else up(documents), float(drawn),
+                     float(lengths.sum()) / w)
 
     def close(self):
         if self.bar is not None:
@@ -223,7 +225,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         run.scheduler.step()
     # tokens: the rows' valid positions (padding is not counted); pairs: those the loss read (until
     # stop 38 pair_total * pairs, which missed the subsample's rounding and its at-least-one)
-    run.tokens_seen += int(batch.lengths.sum())
+    run.tokens_seen += batch.positions
     run.pairs_seen += batch.pairs_drawn if cfg.method == "bst" else 0
     return loss
 

@@ -154,8 +154,8 @@ def test_cached_decoding_equals_full_reencoding(kind):
     (lambda m: decode.plan(m, [4] * 20, [1, 2, 3], horizon=1, eos_id=EOS), "max_len"),
     (lambda m: decode.sample(m, [4, 0], 2, EOS, goal=[1] * 24), "goal and EOS"),
     # no comparison of uint16/32/64 in torch: refused by name, not a NotImplementedError from min()
-    (lambda m: decode.sample(m, torch.tensor([4, 0], dtype=torch.uint16), 2, EOS), r"prefix must hold integer token ids .*uint16"),
-    (lambda m: decode.plan(m, [4, 0], torch.tensor([1], dtype=torch.uint32), horizon=2, eos_id=EOS), r"goal must hold integer.*uint32"),
+    (lambda m: decode.sample(m, torch.tensor([4, 0], dtype=torch.uint64), 2, EOS), r"prefix must hold integer token ids .*uint64"),
+    (lambda m: decode.plan(m, [4, 0], torch.tensor([1], dtype=torch.uint64), horizon=2, eos_id=EOS), r"goal must hold integer.*uint64"),
     (lambda m: decode.BSTSearch(m, EOS).score(torch.zeros(1, 5, dtype=torch.long), 1, "nxt"), "head"),
     (lambda m: decode.plan(tiny_forward(), [4, 0], (), horizon=2, rollouts=3, eos_id=EOS), "Belief State Transformer"),
     (lambda m: decode.belief_states(m, [[4, 0, 1]], torch.tensor([0])), "lengths"),
@@ -524,3 +524,17 @@ def test_sample_stops_each_row_at_the_stop_token():
 def test_sample_refuses_a_bad_stop_token(bad):
     with pytest.raises(ValueError, match="stop_token"):
         decode.sample(CountingTable({}), torch.tensor([[0]]), 2, EOS, temperature=0, stop_token=bad)
+
+
+def test_decoders_take_uint16_and_uint32_ids():
+    """A prepared corpus's ids (a uint16/uint32 memmap slice) decode as their int64 values: torch
+    compares no uint16/32 tensor, so the id check casts them first (the first fix refused them)."""
+    import numpy as np
+
+    model = tiny_bst()
+    want = decode.plan(model, [4, 0], [1], horizon=2, eos_id=EOS)
+    for dt in (np.uint16, np.uint32):
+        got = decode.plan(model, np.array([4, 0], dtype=dt), np.array([1], dtype=dt), horizon=2, eos_id=EOS)
+        assert torch.equal(got.best, want.best) and torch.equal(got.scores, want.scores)
+    greedy = decode.sample(model, [4, 0], 3, EOS, temperature=0)
+    assert torch.equal(decode.sample(model, torch.tensor([4, 0], dtype=torch.uint16), 3, EOS, temperature=0), greedy)

@@ -625,7 +625,8 @@ def test_model_config_types_are_checked_by_name():
     for field, value, want in (("n_layer", 1.5, "an int"), ("d_model", "8", "an int"),
                                ("gpt_head", 1, "true or false"), ("mlp_ratio", True, "a number"),
                                # a float width was "TypeError: 'float' object is not iterable"
-                               ("head_hidden", 16.0, "a positive int or a list"), ("head_hidden", "16", "a positive int")):
+                               ("head_hidden", 16.0, "a positive int or a list"), ("head_hidden", "16", "a positive int"),
+                               ("head_hidden", True, "a positive int")):
         with pytest.raises(ValueError, match=f"'model.{field}' must be {want}"):
             ModelConfig(**{field: value}).check()
 
@@ -638,3 +639,16 @@ def test_teacherless_generate_checks_its_count():
     from bst_fast import decode
     with pytest.raises(ValueError, match="Teacherless"):
         decode.sample(teacherless, [1, 2], 2)
+
+
+def test_models_take_every_id_dtype_the_loss_takes():
+    """int8, int16, int32 and uint8 token ids (the dtypes full_lengths accepts) give the int64 ids'
+    losses: the embedding and the GPT head's cross-entropy read int64 (int32 raised in the
+    cross-entropy, the rest in the embedding)."""
+    bst, forward, teacherless = _models()
+    tokens = torch.randint(3, 13, (2, 9), generator=torch.Generator().manual_seed(0))
+    bst_gpt = type(bst)(type(bst.cfg)(**{**vars(bst.cfg), "gpt_head": True}))
+    for model, kw in ((bst, {}), (bst_gpt, dict(gamma=0.5)), (forward, {}), (teacherless, dict(prefix_start=3))):
+        want = model(tokens, **kw)["total"]
+        for dt in (torch.int8, torch.int16, torch.int32, torch.uint8):
+            assert torch.equal(model(tokens.to(dt), **kw)["total"], want), (type(model).__name__, dt)

@@ -214,6 +214,11 @@ def test_rates_count_the_pairs_the_loss_draws_and_the_valid_tokens(tmp_path, mon
         assert run.tokens_seen - before[0] == int(batch.lengths.sum()), kind
         if kind == "text":  # rows of unequal length: padding is left out
             assert int(batch.lengths.sum()) < batch.tokens.numel()
+            # each of 2 ranks counts half the whole batch's (rank 0's own rows times 2 was the first fix)
+            shares = [build_run(cfg.check(), "cpu", None, 2, r).batch(0) for r in (0, 1)]
+            assert shares[0].positions == shares[1].positions == int(batch.lengths.sum()) / 2
+            assert int(shares[0].lengths.sum()) != int(shares[1].lengths.sum())
+            assert shares[0].pairs_drawn == shares[1].pairs_drawn == batch.pairs_drawn / 2
         run.close()
 
 
