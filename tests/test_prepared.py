@@ -498,3 +498,111 @@ def test_the_bench_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     text = out.read_text()
     assert "`tokenize --vocab 1000`" in text and "batches/s" in text and "peak RSS" in text
+
+
+def test_tokenize_never_deletes_files_that_are_not_a_corpus(corpus, tmp_path, capsys, monkeypatch):
+    """Any folder with a manifest.json was taken for a prepared corpus and replaced, deleting the
+    rest: another tool's folder, the input corpus itself (--out of its own folder), or a user's
+    notes inside a corpus. Such a folder is refused, and one of raw text trains as raw text."""
+    text, tok, _ = corpus
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text(text.read_text())
+    (raw / "manifest.json").write_text('{"name": "my dataset"}')  # another tool's manifest
+    assert cli(["tokenize", str(raw), "--out", str(raw), "--tokenizer", str(tok), "--no-progress"]) == 2
+    assert "not a prepared corpus" in capsys.readouterr().err
+    assert sorted(p.name for p in raw.iterdir()) == ["a.txt", "manifest.json"]
+    assert TextData(str(raw), max_len=24, tokenizer=load_tokenizer(tok)).n_documents > 0  # raw text, not a corpus
+    ours = tmp_path / "ours"
+    prep.tokenize_corpus(text, ours, tokenizer=tok)
+    (ours / "NOTES.md").write_text("keep me")
+    with pytest.raises(ValueError, match="also holds other files .*'NOTES.md'"):
+        prep.tokenize_corpus(text, ours, tokenizer=tok)
+    assert (ours / "NOTES.md").read_text() == "keep me" and prep.is_prepared(ours)
+    # a file of a prepared corpus given as data trained on its JSON as text
+    with pytest.raises(ValueError, match="is a file of the prepared corpus .*give the folder"):
+        TextData(str(ours / "manifest.json"), max_len=24, tokenizer=load_tokenizer(tok))
+    # --out . (no name): the temporary folder was made inside it, and the result refused after the work
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    prep.tokenize_corpus(text, ".", tokenizer=tok)
+    assert prep.is_prepared(here) and sorted(p.name for p in tmp_path.iterdir()) == ["here", "ours", "raw"]
+
+
+def test_a_killed_encoding_process_is_an_error_not_a_hang(corpus, tmp_path):
+    """multiprocessing.Pool waited forever for a task whose worker died (the OOM killer); the
+    executor reports it, and the temporary folder goes."""
+    text, tok, _ = corpus
+    code = f"""if 1:
+        import os
+        from bst_fast.data import prepared as prep
+        def die(batch):  # the forked workers die at their first batch (a def: the executor pickles it)
+            os._exit(9)
+        prep._worker_encode = die
+        try:
+            prep.tokenize_corpus({str(text)!r}, {str(tmp_path / 'out')!r}, tokenizer={str(tok)!r}, workers=2)
+        except RuntimeError as e:
+            print("error:", e)
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "an encoding process died" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_piece_cache_is_bounded_in_bytes(monkeypatch):
+    """Text without spaces makes each paragraph one piece: the cache held ~4x the text in 1M entries
+    before it was bounded in bytes too."""
+    from bst_fast.data import encode
+
+    tok = train_bpe_tokenizer_for_cache()
+    enc = PieceEncoder(tok, np.uint16)
+    monkeypatch.setattr(encode, "MAX_CACHE_BYTES", 50_000)
+    docs = ["".join(chr(0x4E00 + (k * 7 + i) % 2000) for i in range(200)) for k in range(400)]
+    for k in range(0, 400, 50):
+        flat, lengths = enc.encode(docs[k:k + 50])
+        assert enc._cache_bytes <= 50_000 + 50 * 2000  # emptied once over the bound, before a batch
+    want = [e.ids for e in tok.encode_batch(docs[-50:], add_special_tokens=False)]
+    assert np.array_equal(flat, np.concatenate([np.asarray(w, np.uint16) for w in want]))
+
+
+def train_bpe_tokenizer_for_cache():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "t.txt"
+        p.write_text("\n\n".join("".join(chr(0x4E00 + i % 300) for i in range(k, k + 60)) for k in range(200)))
+        return train_bpe(p, vocab_size=400)
+
+
+def test_sigterm_during_tokenize_deletes_the_temporary_folder(corpus, tmp_path):
+    """A scheduler's SIGTERM unwinds like an interrupt: the hidden temporary folder is deleted (it
+    stayed, as big as tokens.bin, and nothing cleaned it later), and the exit status says why."""
+    import signal
+    import time
+
+    text, tok, _ = corpus
+    big = tmp_path / "big.txt"
+    big.write_text((text.read_text() + "\n\n") * 400)  # a few MB: encoding takes a while
+    proc = subprocess.Popen([sys.executable, "-m", "bst_fast", "tokenize", str(big), "--out", str(tmp_path / "out"),
+                             "--tokenizer", str(tok), "--no-progress", "--workers", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "tokenize ended before it could be stopped: make the corpus bigger"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+
+
+def test_the_summary_names_documents_encoded_to_no_token(corpus, capsys):
+    """Documents the tokenizer encodes to nothing are dropped; the manifest counted them, and the
+    summary line said nothing."""
+    _, _, out = corpus
+    m = json.loads((out / "manifest.json").read_text())
+    prep.print_summary(dict(m, empty_documents=3), out, 1.0)
+    assert "dropped 3 documents the tokenizer encodes to no token" in capsys.readouterr().out
+    prep.print_summary(dict(m, empty_documents=0), out, 1.0)
+    assert "no token" not in capsys.readouterr().out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 
 import numpy as np
 
@@ -37,8 +38,11 @@ _SPACE_WS = re.compile(r" \s")
 _WS_SPACE = re.compile(f"[{_WHITESPACE}] ")
 # Otherwise: cut before each " x" that follows a non-space character.
 _CUT = re.compile(r"(?<=\S)(?= \S)")
-# Distinct pieces cached, at most (about 150 bytes each); the cache is emptied when it is full.
+# Distinct pieces cached, at most (about 150 bytes each), and the bytes they hold (a piece of text
+# without spaces is a whole paragraph: CJK text held ~4x its size in 1M pieces); the cache is
+# emptied when either is full.
 MAX_CACHE = 1 << 20
+MAX_CACHE_BYTES = 160 << 20
 # Documents of the first call checked against encode_batch, and documents of each later call.
 _CHECK_FIRST, _CHECK_EACH = 64, 1
 
@@ -101,6 +105,7 @@ class PieceEncoder:
         self.fast = piece_encodable(tokenizer) if fast is None else bool(fast)
         self.max_cache = int(max_cache)
         self._cache = _Cache()
+        self._cache_bytes = 0  # what the cached pieces hold: keys, values and a dict slot each
         self._calls = 0
 
     def _hf(self, docs):
@@ -120,8 +125,9 @@ class PieceEncoder:
 
     def _encode_fast(self, docs):
         cache = self._cache
-        if len(cache) > self.max_cache:
+        if len(cache) > self.max_cache or self._cache_bytes > MAX_CACHE_BYTES:
             cache.clear()
+            self._cache_bytes = 0
         get, misses, join = cache.__getitem__, cache.misses, b"".join
         out, redo = [], []
         for k, doc in enumerate(docs):
@@ -133,8 +139,9 @@ class PieceEncoder:
             keys = list(dict.fromkeys(misses))
             misses.clear()
             texts = [key[0] if type(key) is tuple else " " + key for key in keys]
-            for key, ids in zip(keys, self._hf(texts)):
-                cache[key] = np.asarray(ids, dtype=self.dtype).tobytes()
+            for key, text, ids in zip(keys, texts, self._hf(texts)):
+                cache[key] = value = np.asarray(ids, dtype=self.dtype).tobytes()
+                self._cache_bytes += sys.getsizeof(text) + sys.getsizeof(value) + 100
             for k in redo:
                 out[k] = join(map(get, _pieces(docs[k])))
             if misses:  # cannot happen: every piece was just added

@@ -67,11 +67,22 @@ _TAG_MIX, _TAG_MIX_PERM = 0x6D6978, 0x6D7870  # seed tags of MixtureData's draws
 
 
 def is_prepared(path) -> bool:
-    """Whether `path` is a folder holding a manifest.json: a prepared corpus (checked on open)."""
+    """Whether `path` is a folder holding a prepared corpus (checked on open): a manifest.json of this
+    format, or a manifest.json that does not parse beside a tokens.bin or offsets.bin (a damaged
+    corpus, reported as such when opened). Another tool's manifest.json makes no folder a corpus:
+    it is trained as raw text, and `tokenize --out` refuses to replace it."""
     try:
-        return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+        if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):
+            return False
     except (TypeError, ValueError):
         return False
+    try:
+        m = json.loads(Path(path, MANIFEST).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        m = None
+    if isinstance(m, dict) and m.get("format") is not None:
+        return m.get("format") == FORMAT
+    return any(os.path.exists(os.path.join(path, name)) for name in (TOKENS, OFFSETS))
 
 
 def fingerprint_of(manifest: dict) -> str:
@@ -119,9 +130,15 @@ def _check_out(out: Path) -> bool:
         return False
     if not os.path.isdir(out) or os.path.islink(out):
         raise ValueError(f"--out {_shown(out, True)} exists and is not a folder; give a new folder")
-    if any(os.scandir(out)) and not is_prepared(out):
+    names = {e.name for e in os.scandir(out)}
+    if names and not is_prepared(out):
         raise ValueError(f"--out {_shown(out, True)} is a folder that is not empty and not a prepared corpus "
-                         f"(no {MANIFEST}): refusing to overwrite it; give a new or empty folder")
+                         f"(no {MANIFEST} of this format): refusing to overwrite it; give a new or empty folder")
+    others = sorted(names - {MANIFEST, TOKENS, OFFSETS, TOKENIZER})
+    if others:  # replacing the corpus would delete them
+        raise ValueError(f"--out {_shown(out, True)} is a prepared corpus that also holds other files "
+                         f"({', '.join(map(repr, others[:5]))}{', ...' if len(others) > 5 else ''}): refusing to "
+                         f"replace it, which would delete them; move them, or give a new or empty folder")
     return True
 
 
@@ -139,7 +156,7 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     workers: encoding processes (None: one per CPU, 0: this process alone); the ids do not depend
     on it."""
     files = _text_files(data)  # a missing input is reported before anything else is done
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." has no name: the temporary folder would land inside it
     _check_out(out)
     if max_doc_tokens is not None:
         max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1)
@@ -229,16 +246,33 @@ def _encoded(batches, tok, dtype, workers: int):
     import collections
     import multiprocessing as mp
 
-    # fork: the workers need no imports of their own (spawn would import torch in each)
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # fork: the workers need no imports of their own (spawn would import torch in each).
+    # concurrent.futures, not multiprocessing.Pool: a worker killed (by the OOM killer, say) breaks
+    # the pool with an error where Pool waited forever for its task, and an interrupt does not hang
+    # in Pool.terminate on a batch still being sent to dead workers.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_str(), dtype.str)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.to_str(), dtype.str))
+    try:
         pending = collections.deque()
         for batch in batches:
-            pending.append(pool.apply_async(_worker_encode, (batch,)))
+            pending.append(pool.submit(_worker_encode, batch))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except BaseException as e:
+        workers_alive = list((getattr(pool, "_processes", None) or {}).values())  # the executor's own table
+        for proc in workers_alive:
+            proc.kill()  # no waiting on a worker's batch: the caller deletes the temporary folder
+        pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(e, BrokenProcessPool):
+            raise RuntimeError(f"an encoding process died ({e}): killed, or out of memory? Tokenize again, "
+                               f"with fewer --workers") from None
+        raise
+    pool.shutdown(wait=True)
 
 
 def _write(tmp: Path, files, tok, dtype, max_doc_tokens, progress, workers) -> dict:
@@ -668,4 +702,6 @@ def print_summary(manifest: dict, out, seconds: float, file=None):
           f"vocab {manifest['vocab_size']}) from {mb:.1f} MB of text in {seconds:.1f} s "
           f"(tokenising {mb / max(manifest['seconds']['encode'], 1e-9):.1f} MB/s)"
           + (f"; dropped {manifest['dropped_documents']} documents longer than {manifest['max_doc_tokens']} tokens"
-             if manifest.get("max_doc_tokens") is not None else ""), file=file or sys.stdout)
+             if manifest.get("max_doc_tokens") is not None else "")
+          + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
+             if manifest.get("empty_documents") else ""), file=file or sys.stdout)

@@ -100,6 +100,11 @@ def _text_files(paths) -> list[Path]:
                                         f"skipped){hint}")
             files += found
         elif os.path.isfile(p):
+            from .prepared import is_prepared
+
+            if is_prepared(p.parent):  # its manifest or token file read as text would train on JSON or bytes
+                raise ValueError(f"{_shown(p, True)} is a file of the prepared corpus {_shown(p.parent, True)}: "
+                                 f"give the folder as data")
             files.append(p)
         else:
             raise FileNotFoundError(f"no such file or folder: {_shown(p, True)}")
