@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -239,17 +238,9 @@ def cmd_tokenize(args):
     if vocab < 259:
         raise ValueError(f"--vocab must be >= 259 (256 bytes and PAD, BOS, EOS), got {vocab}")
     t = time.perf_counter()
-
-    def terminated(signum, frame):  # SIGTERM (a scheduler's stop) unwinds as an interrupt would: the
-        raise SystemExit(128 + signum)  # temporary folder is deleted, where the default left it behind
-
-    old = signal.signal(signal.SIGTERM, terminated)
-    try:
-        manifest = tokenize_corpus(args.data, args.out, vocab_size=vocab, tokenizer=args.tokenizer,
-                                   max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress, workers=args.workers,
-                                   bpe_sample_bytes=None if args.bpe_sample_mb is None else max(1, int(args.bpe_sample_mb * 1e6)))
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    manifest = tokenize_corpus(args.data, args.out, vocab_size=vocab, tokenizer=args.tokenizer,
+                               max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress, workers=args.workers,
+                               bpe_sample_bytes=None if args.bpe_sample_mb is None else max(1, int(args.bpe_sample_mb * 1e6)))
     print_summary(manifest, args.out, time.perf_counter() - t)
 
 

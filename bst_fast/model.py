@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int
-from ._pairs import check_documents, full_lengths, host_known
+from ._pairs import check_documents, full_lengths, host_known, id_dtype_ok
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -152,7 +152,8 @@ class Encoder(nn.Module):
         `documents` ((B, T) document ids of packed rows) only its own document's tokens up to t,
         at positions counted from the document's start. `segment` (an encoder with segments): one
         id for every row, or a (B,) long tensor of each row's own (both directions in one call)."""
-        tokens = tokens.long()  # the embedding reads int64 (int32 too); ids may come as int8..int64, uint8
+        if id_dtype_ok(tokens.dtype):  # int8..int64, uint8 as int64 (the embedding reads int64, int32);
+            tokens = tokens.long()       # a float or bool is left for the embedding to refuse
         T = tokens.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")

@@ -522,12 +522,30 @@ def test_tokenize_never_deletes_files_that_are_not_a_corpus(corpus, tmp_path, ca
     # a file of a prepared corpus given as data trained on its JSON as text
     with pytest.raises(ValueError, match="is a file of the prepared corpus .*give the folder"):
         TextData(str(ours / "manifest.json"), max_len=24, tokenizer=load_tokenizer(tok))
-    # --out . (no name): the temporary folder was made inside it, and the result refused after the work
+    # --out . : replacing it left the caller's shell in a deleted folder (and before that the
+    # temporary folder landed inside it); refused before any work, as is a folder holding it
     here = tmp_path / "here"
-    here.mkdir()
-    monkeypatch.chdir(here)
-    prep.tokenize_corpus(text, ".", tokenizer=tok)
-    assert prep.is_prepared(here) and sorted(p.name for p in tmp_path.iterdir()) == ["here", "ours", "raw"]
+    (here / "sub").mkdir(parents=True)
+    monkeypatch.chdir(here / "sub")
+    for out in (".", "..", str(here)):
+        with pytest.raises(ValueError, match="is the current folder or holds it"):
+            prep.tokenize_corpus(text, out, tokenizer=tok)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "ours", "raw"] and list(here.iterdir()) == [here / "sub"]
+    # a corpus file name that is a folder of yours is not replaced either
+    (ours / "NOTES.md").unlink()
+    (ours / "tokens.bin").unlink()
+    (ours / "tokens.bin").mkdir()
+    (ours / "tokens.bin" / "mine.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="also holds other files .*'tokens.bin'"):
+        prep.tokenize_corpus(text, ours, tokenizer=tok)
+    # a damaged format value beside our token files is a corpus (reported corrupt), not raw text
+    damaged = tmp_path / "damaged"
+    prep.tokenize_corpus(text, damaged, tokenizer=tok)
+    m = json.loads((damaged / "manifest.json").read_text())
+    (damaged / "manifest.json").write_text(json.dumps(dict(m, format="bst_fast.prepard")))
+    assert prep.is_prepared(damaged)
+    with pytest.raises(ValueError, match="format"):
+        prep.PreparedCorpus.open(damaged)
 
 
 def test_a_killed_encoding_process_is_an_error_not_a_hang(corpus, tmp_path):
@@ -595,6 +613,39 @@ def test_sigterm_during_tokenize_deletes_the_temporary_folder(corpus, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+    # only around the writing, in the main thread, where SIGTERM has its default action
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    seen = []
+    with prep._terminate_unwinds():
+        seen.append(signal.getsignal(signal.SIGTERM))
+    assert seen[0] not in (signal.SIG_DFL, None) and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    import threading
+
+    errors = []
+
+    def in_a_thread():  # signal.signal raised "signal only works in main thread" there
+        try:
+            with prep._terminate_unwinds():
+                pass
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert errors == []
+
+
+def test_many_files_read_their_folders_manifest_once(tmp_path, monkeypatch):
+    """Each file given as data checks that its folder is not a prepared corpus: once per folder (2000
+    files beside a 4.5 MB manifest of another tool's took 345 s, a parse per file)."""
+    for k in range(30):
+        (tmp_path / f"{k}.txt").write_text("a b c")
+    (tmp_path / "manifest.json").write_text('{"files": []}')
+    calls = []
+    real = prep.is_prepared
+    monkeypatch.setattr(prep, "is_prepared", lambda p: calls.append(p) or real(p))
+    assert len(text_mod._text_files(sorted(tmp_path.glob("*.txt")))) == 30 and calls == [tmp_path]
 
 
 def test_the_summary_names_documents_encoded_to_no_token(corpus, capsys):

@@ -35,6 +35,7 @@ a batch draws its corpus by weight, a pure function of (seed, step).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -80,8 +81,9 @@ def is_prepared(path) -> bool:
         m = json.loads(Path(path, MANIFEST).read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         m = None
-    if isinstance(m, dict) and m.get("format") is not None:
-        return m.get("format") == FORMAT
+    if isinstance(m, dict) and m.get("format") == FORMAT:
+        return True
+    # a damaged manifest (its format too) beside our token files: a corpus, reported corrupt on open
     return any(os.path.exists(os.path.join(path, name)) for name in (TOKENS, OFFSETS))
 
 
@@ -134,7 +136,8 @@ def _check_out(out: Path) -> bool:
     if names and not is_prepared(out):
         raise ValueError(f"--out {_shown(out, True)} is a folder that is not empty and not a prepared corpus "
                          f"(no {MANIFEST} of this format): refusing to overwrite it; give a new or empty folder")
-    others = sorted(names - {MANIFEST, TOKENS, OFFSETS, TOKENIZER})
+    others = sorted(names - {MANIFEST, TOKENS, OFFSETS, TOKENIZER}
+                    | {n for n in names if os.path.isdir(out / n) and not os.path.islink(out / n)})
     if others:  # replacing the corpus would delete them
         raise ValueError(f"--out {_shown(out, True)} is a prepared corpus that also holds other files "
                          f"({', '.join(map(repr, others[:5]))}{', ...' if len(others) > 5 else ''}): refusing to "
@@ -157,6 +160,10 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     on it."""
     files = _text_files(data)  # a missing input is reported before anything else is done
     out = Path(os.path.abspath(out))  # "." has no name: the temporary folder would land inside it
+    here = os.path.realpath(os.getcwd())
+    if here == os.path.realpath(out) or here.startswith(os.path.realpath(out) + os.sep):
+        # replacing it would leave the caller's shell in a deleted folder, seeing nothing written
+        raise ValueError(f"--out {_shown(out, True)} is the current folder or holds it: give another folder")
     _check_out(out)
     if max_doc_tokens is not None:
         max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1)
@@ -189,7 +196,8 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     try:
         if workers is None:  # small corpora: not worth starting processes
             workers = default_workers() if sum(f.stat().st_size for f in files) > 4 * _ENCODE_CHARS else 0
-        manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, check_int("workers", workers, 0))
+        with _terminate_unwinds():
+            manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, check_int("workers", workers, 0))
         manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
                         source={"paths": [os.path.abspath(p) for p in ([data] if isinstance(data, (str, os.PathLike))
                                                                       else data)],
@@ -207,6 +215,29 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     return manifest
 
 
+@contextlib.contextmanager
+def _terminate_unwinds():
+    """SIGTERM (a scheduler's stop) unwinds as an interrupt does while the temporary folder is being
+    written, so that it is deleted (the default left it behind): only where SIGTERM has its default
+    action and this is the main thread, and only then (a handler cannot run inside the BPE trainer's
+    native code, so it would only delay a stop there)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def default_workers() -> int:
     """Encoding processes: one per CPU this process may run on; 0 (encode in this process) on one CPU."""
     try:
@@ -221,6 +252,11 @@ _WORKER = None  # a worker process's PieceEncoder
 
 def _worker_init(tokenizer_json: str, dtype: str):
     global _WORKER
+    import signal
+
+    # the main process stops the workers (kills them) on an interrupt or SIGTERM: no tracebacks of theirs
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
     from tokenizers import Tokenizer
 

@@ -86,7 +86,7 @@ def _shown(value, text: bool = False) -> str:
 def _text_files(paths) -> list[Path]:
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    files = []
+    files, prepared = [], {}  # prepared: is_prepared of each parent folder, read once (many files, one manifest)
     for p in map(Path, paths):
         # os.path's tests, not Path's: they answer False (not an OSError quoting it) for a path too
         # long for the system
@@ -102,7 +102,9 @@ def _text_files(paths) -> list[Path]:
         elif os.path.isfile(p):
             from .prepared import is_prepared
 
-            if is_prepared(p.parent):  # its manifest or token file read as text would train on JSON or bytes
+            if p.parent not in prepared:
+                prepared[p.parent] = is_prepared(p.parent)
+            if prepared[p.parent]:  # its manifest or token file read as text would train on JSON or bytes
                 raise ValueError(f"{_shown(p, True)} is a file of the prepared corpus {_shown(p.parent, True)}: "
                                  f"give the folder as data")
             files.append(p)
