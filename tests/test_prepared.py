@@ -643,8 +643,8 @@ def test_many_files_read_their_folders_manifest_once(tmp_path, monkeypatch):
         (tmp_path / f"{k}.txt").write_text("a b c")
     (tmp_path / "manifest.json").write_text('{"files": []}')
     calls = []
-    real = prep.is_prepared
-    monkeypatch.setattr(prep, "is_prepared", lambda p: calls.append(p) or real(p))
+    real = text_mod.is_prepared
+    monkeypatch.setattr(text_mod, "is_prepared", lambda p: calls.append(p) or real(p))
     assert len(text_mod._text_files(sorted(tmp_path.glob("*.txt")))) == 30 and calls == [tmp_path]
 
 

@@ -57,34 +57,14 @@ from .text import (_ENCODE_CHARS, SPECIAL_TOKENS, TextData, _check_split, _doc_b
                    _shown, _text_files, _text_only, load_tokenizer, save_tokenizer, train_bpe,
                    vocabulary_size)
 
-FORMAT, VERSION = "bst_fast.prepared", 1
-MANIFEST, TOKENS, OFFSETS, TOKENIZER = "manifest.json", "tokens.bin", "offsets.bin", "tokenizer.json"
+# the folder's names and is_prepared live below data/text.py, which reads folders of raw text
+from .corpus_layout import FORMAT, MANIFEST, OFFSETS, TOKENIZER, TOKENS, VERSION, is_prepared  # noqa: F401
 BLOCK_BYTES = 1 << 24  # tokens.bin is hashed in blocks of 16 MiB too, so that opening can check a few
 VERIFY_ALL_BYTES = 1 << 26  # token files up to 64 MiB are checked whole when opened
 VERIFY_BLOCKS = 4  # and of larger ones, the first, the last and this many others
 _CONTENT = ("format", "version", "vocab_size", "dtype", "documents", "tokens", "sha256", "block_bytes",
             "block_sha256")  # the manifest fields the fingerprint covers
 _TAG_MIX, _TAG_MIX_PERM = 0x6D6978, 0x6D7870  # seed tags of MixtureData's draws
-
-
-def is_prepared(path) -> bool:
-    """Whether `path` is a folder holding a prepared corpus (checked on open): a manifest.json of this
-    format, or a manifest.json that does not parse beside a tokens.bin or offsets.bin (a damaged
-    corpus, reported as such when opened). Another tool's manifest.json makes no folder a corpus:
-    it is trained as raw text, and `tokenize --out` refuses to replace it."""
-    try:
-        if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):
-            return False
-    except (TypeError, ValueError):
-        return False
-    try:
-        m = json.loads(Path(path, MANIFEST).read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        m = None
-    if isinstance(m, dict) and m.get("format") == FORMAT:
-        return True
-    # a damaged manifest (its format too) beside our token files: a corpus, reported corrupt on open
-    return any(os.path.exists(os.path.join(path, name)) for name in (TOKENS, OFFSETS))
 
 
 def fingerprint_of(manifest: dict) -> str:

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .._checks import check_int, short
+from .corpus_layout import is_prepared
 from .packing import PackedRows, SplitRows, check_pack, padding_saved
 from .star import _Batches, _epoch_indices
 
@@ -100,8 +101,6 @@ def _text_files(paths) -> list[Path]:
                                         f"skipped){hint}")
             files += found
         elif os.path.isfile(p):
-            from .prepared import is_prepared
-
             if p.parent not in prepared:
                 prepared[p.parent] = is_prepared(p.parent)
             if prepared[p.parent]:  # its manifest or token file read as text would train on JSON or bytes
