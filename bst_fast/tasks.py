@@ -71,6 +71,18 @@ class Objective:
         drawn = pairs if self.pairs is None else sample_counts(self.pairs, pairs)
         return pairs.sum().item(), targets.sum().item(), drawn.sum().item()
 
+    def nothing_to_learn(self, method: str, pair_total: float, token_total: float) -> Optional[str]:
+        """Why the loss of a batch with these totals (a whole step's, or the held-out set's) is
+        undefined for `method` (its mean would divide by zero), or None when it is defined: a BST
+        needs a pair (and a next-token target where gamma weighs its GPT head), the other methods a
+        next-token target. Such a batch (a split stream's last row drawn alone, short documents
+        under a large min_gap) has nothing to learn from."""
+        if method == "bst" and not pair_total > 0:
+            return f"no pair (min_gap {self.min_gap}, max_gap {self.max_gap})"
+        if (method != "bst" or self.gamma > 0) and not token_total > 0:
+            return "no next-token target"
+        return None
+
     def __call__(self, model, tokens, lengths, *, prefix_start, generator, pair_total, token_total, row_total,
                  documents=None):
         """model(batch) with these settings: {"total", "belief", "gpt"} as the models return."""
@@ -218,11 +230,21 @@ class TextTask:
                 self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
             self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress, **rows)
         self.vocab_size, self.max_len, self.prefix_start = vocabulary_size(self.tokenizer), cfg.max_len, 0
-        if cfg.keep_best == "held_out_loss" and not self.data.n_held_out:
-            raise ValueError("config field 'keep_best' is 'held_out_loss', but the corpus gives no held-out rows "
-                             "(a single document of a single row has none): no best checkpoint could be kept")
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
+        # The held-out figure's divisors, counted once: a set with no pair (or target) has no loss,
+        # known now rather than at the first evaluation, eval_every steps into the run.
+        counts = [self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)
+                  for r in self.held_out()]
+        self.held_out_totals = tuple(sum(c[k] for c in counts) for k in (0, 1))
+        empty = self.objective.nothing_to_learn(cfg.method, *self.held_out_totals) if counts else None
+        self.held_out_empty = empty or not counts
+        if cfg.keep_best == "held_out_loss" and self.held_out_empty:
+            why = (f"hold {empty}" if counts else "are none (a single document of a single row has none)")
+            raise ValueError(f"config field 'keep_best' is 'held_out_loss', but the corpus's held-out rows {why}: "
+                             "no held-out loss, so no best checkpoint could be kept")
+        if rank == 0 and empty:
+            print(f"the held-out rows hold {empty}: the run reports no held_out_loss", file=sys.stderr, flush=True)
         if rank == 0 and (cfg.pack or cfg.max_doc_tokens or self.data.dropped_when_tokenised):
             print(self.summary(cfg), file=sys.stderr, flush=True)
         # The config holds the corpus's path only: a resumed run must also find the same corpus
@@ -278,13 +300,11 @@ class TextTask:
     def evaluate(self, model, device, world: int = 1, rank: int = 0):
         """The held-out loss over every held-out pair; under DDP each rank takes every world-th batch
         and the losses (each normalised by the whole set's counts) are summed."""
-        if not self.data.n_held_out:  # no held-out rows (one document of one row, or held_out 0): no figure
-            return {}
+        if self.held_out_empty:  # no held-out rows (one document of one row, or held_out 0), or none
+            return {}            # with a pair (or target, __init__): no figure
         # Every batch is normalised by the whole held-out set's pair and token counts, so the
         # figure is the mean over all held-out pairs (and tokens), whatever the batch size.
-        counts = [self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)
-                  for r in self.held_out()]
-        pair_total, token_total = (sum(c[k] for c in counts) for k in (0, 1))
+        pair_total, token_total = self.held_out_totals
         # Every pair, whatever `pairs` subsamples in training: the figure keep_best compares is the
         # held-out loss itself, not an estimate of it from one draw of pairs.
         objective = dataclasses.replace(self.objective, pairs=None)

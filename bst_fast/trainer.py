@@ -193,15 +193,28 @@ class Run:
             self.folder.unlock()
 
 
-def train_step(run: Run, step: int) -> torch.Tensor:
+def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
     """One optimizer step of `run` at 0-based `step`: forward and loss under the trainer's autocast
     and backward for each of cfg.grad_accum micro-batches (their losses and gradients add up to the
-    whole batch's), clipping, AdamW and the schedule. Returns the loss (a 0-dim tensor, not synced)."""
+    whole batch's), clipping, AdamW and the schedule. Returns the loss (a 0-dim tensor, not synced),
+    or None for a batch with nothing to learn from (Objective.nothing_to_learn): no update then, the
+    schedule alone moves on, and rank 0 names the step on stderr."""
     cfg = run.cfg
     # Every random choice is a function of (seed, step, rank): resuming at any step is exact.
     # (a rank's term 2**44 apart: no rank meets another's seed of a later step; rank 0's is as before)
     torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + run.rank * 2**44)
     batch = run.batch(step)
+    # Every rank holds the global batch's totals, so all of them skip the same steps (no collective
+    # is left waiting). A mean over no pair is undefined: the loss refuses it, and a step would stop
+    # the run at the same step on every resume.
+    empty = run.objective.nothing_to_learn(cfg.method, batch.pair_total, batch.token_total)
+    if empty:
+        if run.rank == 0:
+            print(f"step {step + 1}: the batch (row lengths {short(batch.lengths.tolist())}"
+                  f"{' on rank 0' if run.world > 1 else ''}) holds {empty}: no update at this step, the "
+                  "learning-rate schedule moves on", file=sys.stderr, flush=True)
+        run.scheduler.step()
+        return None
     run.optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros((), device=run.device)
     parts = batch.split(cfg.grad_accum)
@@ -300,9 +313,17 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
             # Compiled here, so that the first batch below compiles the training graph (with grad, as
             # a step runs it) and a broken compiler fails before the folder is touched.
             compile_encoders(run.model)
-        # the backend takes this head on this device, and the data gives a batch
+        # the backend takes this head on this device, and the data gives a batch (the first step's,
+        # or the next one with something to learn from: train_step skips the others)
         with torch.enable_grad() if run.cfg.compile else torch.no_grad():
-            part = run.batch(start).split(run.cfg.grad_accum)[0]
+            at, empty = start, None
+            while (why := run.objective.nothing_to_learn(run.cfg.method, *run.batch(at)[3:5])):
+                empty, at = empty or why, at + 1
+                if at == end:
+                    raise ValueError(f"no batch of steps {start + 1}..{end} has anything to learn from (step "
+                                     f"{start + 1}'s holds {empty}): the rows are too short for the objective; "
+                                     "check min_gap, max_gap and max_len against the data")
+            part = run.batch(at).split(run.cfg.grad_accum)[0]
             # the first step's backward would refuse it (this forward runs without grad): refused now
             if part.documents is not None and run.cfg.model.attention == "flex" and torch.device(device).type == "cpu":
                 raise ValueError(FLEX_ON_CPU)
@@ -441,12 +462,14 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
     # the open interval's figures and its checkpoint keeps them for the resumed call
     stopping = done == end and not logged
     if logged or stopping:
-        mean_loss = float(run.loss_sum) / run.n_sum  # the one host sync of a logging interval
-        if run.world > 1:
+        # the one host sync of a logging interval; an interval whose every step had nothing to learn
+        # from (train_step: the same on every rank) logs a loss of nan, and the run goes on
+        mean_loss = float(run.loss_sum) / run.n_sum if run.n_sum else math.nan
+        if run.world > 1 and run.n_sum:
             t = torch.tensor([mean_loss], device=run.device)
             dist.all_reduce(t)
             mean_loss = float(t) / run.world
-        if not math.isfinite(mean_loss):
+        if run.n_sum and not math.isfinite(mean_loss):
             raise TrainingStopped(f"training stopped: the loss became non-finite ({mean_loss}) by step {done}; "
                                   f"the last good checkpoint is {run.last_good or 'none (no checkpoint was written yet)'}")
         dt = time.perf_counter() - run.t0
@@ -508,8 +531,9 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         for step in range(start, end):
             lr = run.optimizer.param_groups[0]["lr"]  # this step's, logged (the scheduler then moves on)
             loss = train_step(run, step)
-            run.loss_sum += loss.detach().float()
-            run.n_sum += 1
+            if loss is not None:  # None: a step with nothing to learn from (the same on every rank)
+                run.loss_sum += loss.detach().float()
+                run.n_sum += 1
             run.n_timed += 1
             _close_interval(run, step + 1, end, lr)
     finally:

@@ -137,12 +137,50 @@ def test_a_batch_without_pairs_is_refused_by_the_model_and_the_trainer(tmp_path,
     with pytest.raises(ValueError, match="pair_total must be > 0"):
         run.objective(run.model, tokens, torch.tensor([2, 1]), prefix_start=0, generator=torch.Generator(),
                       pair_total=0.0, token_total=1.0, row_total=2)
-    with pytest.raises(ValueError, match="pair_total must be > 0"):
+    with pytest.raises(ValueError, match=r"no batch of steps 1\.\.2 has anything to learn from \(step 1's holds no "
+                                         r"pair \(min_gap 100"):
         train(text(tmp_path, reduction=reduction, min_gap=100, steps=2))
+    assert not (tmp_path / "run").exists()  # refused before the run folder is claimed
     for rows in (0, float("nan"), float("inf")):  # a ZeroDivisionError, a NaN loss before
         with pytest.raises(ValueError, match="row_total must be a finite number > 0"):
             run.objective(run.model, torch.randint(3, 9, (2, 6)), torch.tensor([6, 6]), prefix_start=0,
                           generator=torch.Generator(), pair_total=12.0, token_total=10.0, row_total=rows)
+
+
+@pytest.mark.parametrize("method", ["bst", "forward"])
+def test_a_step_with_nothing_to_learn_makes_no_update_and_the_run_goes_on(tmp_path, capfd, method):
+    """A step whose whole batch has no pair (a BST) or no next-token target (forward), such as a split
+    stream's last row of one token drawn alone, is skipped: no update, the schedule moves on, its
+    logging interval's loss is nan. The run stopped there on every resume before (a BST's loss
+    refused pair_total 0, forward's was 0/0 = nan)."""
+    def empty_step_2(rows):
+        def patched(step, batch_size):
+            tokens, lengths, start, documents = rows(step, batch_size)
+            return tokens, (torch.ones_like(lengths) if step == 1 else lengths), start, documents
+        return patched
+
+    cfg = text(tmp_path, method=method, steps=4, log_every=1, eval_every=0, ckpt_every=0, batch_size=2)
+    run = build_run(cfg.check(), "cpu")
+    run.task.rows = empty_step_2(run.task.rows)
+    assert train_step(run, 0) is not None
+    before, lr = params(run.model), run.optimizer.param_groups[0]["lr"]
+    assert train_step(run, 1) is None
+    assert all(torch.equal(before[k], v) for k, v in params(run.model).items())
+    assert run.optimizer.param_groups[0]["lr"] > lr  # the warm-up went on
+    assert "step 2: the batch (row lengths [1, 1]) holds no " in capfd.readouterr().err
+    assert train_step(run, 2) is not None and not all(torch.equal(before[k], v) for k, v in params(run.model).items())
+
+    import bst_fast.tasks as tasks
+    rows = tasks.TextTask.rows
+    try:
+        tasks.TextTask.rows = lambda self, step, batch_size: empty_step_2(rows.__get__(self))(step, batch_size)
+        out = train(cfg)
+    finally:
+        tasks.TextTask.rows = rows
+    assert out["loss"] == out["loss"]  # the last interval trained
+    logged = [l.split(",") for l in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]]
+    losses = {int(s): float(v) for s, k, v in logged if k == "loss"}
+    assert sorted(losses) == [1, 2, 3, 4] and losses[2] != losses[2] and all(losses[s] == losses[s] for s in (1, 3, 4))
 
 
 def test_grad_accum_resume_is_bitwise_exact(tmp_path):
@@ -161,10 +199,25 @@ def test_keep_best_held_out_loss_without_held_out_rows_is_refused(tmp_path):
     (tmp_path / "one.txt").write_text("the cat sat on the mat")
     cfg = tiny(tmp_path / "run", data=str(tmp_path / "one.txt"), text_vocab=270, max_len=24, batch_size=1,
                keep_best="held_out_loss")
-    with pytest.raises(ValueError, match="'keep_best' is 'held_out_loss', but the corpus gives no held-out rows"):
+    with pytest.raises(ValueError, match="'keep_best' is 'held_out_loss', but the corpus's held-out rows are none"):
         train(cfg)
     assert not (tmp_path / "run").exists()
     train(cfg, keep_best="", steps=1)  # without keep_best the corpus trains
+
+
+def test_held_out_rows_without_a_pair_give_no_figure_and_keep_best_on_them_is_refused(tmp_path, capfd):
+    """Held-out rows too short for min_gap (seed 2's are 9, 19 and 22 long; training rows reach 24)
+    have no loss: the run reports none, and keep_best on it is refused at once. The run stopped at
+    its first evaluation (and at every resume) before, naming no held-out set."""
+    cfg = text(tmp_path, seed=2, min_gap=22, steps=2, eval_every=1, ckpt_every=0)
+    with pytest.raises(ValueError, match="'keep_best' is 'held_out_loss', but the corpus's held-out rows hold no pair "
+                                         r"\(min_gap 22"):
+        train(cfg, keep_best="held_out_loss")
+    assert not (tmp_path / "run").exists()
+    out = train(cfg)
+    assert "held_out_loss" not in out and out["loss"] == out["loss"]
+    assert "the held-out rows hold no pair (min_gap 22, max_gap None): the run reports no held_out_loss" in capfd.readouterr().err
+    assert "held_out_loss" in train(cfg, min_gap=21, overwrite=True)  # one held-out pair: a figure
 
 
 def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monkeypatch):
