@@ -480,3 +480,18 @@ def test_text_files_must_be_utf8_and_hidden_folders_are_skipped(tmp_path):
 def test_bad_text_arguments_name_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_bpe_sample_keeps_long_and_short_documents_alike():
+    """train_bpe(sample_bytes=) samples documents, not characters owed: with short documents 2% of the
+    text, about 2% of the sample is theirs. Keeping a document once the characters owed covered it
+    made them 98% of a sample at rate 0.02."""
+    from bst_fast.data.text import _spread_sample
+
+    docs = ["s" * 40 if k % 2 else "L" * 2000 for k in range(20000)]
+    kept = list(_spread_sample(iter(docs), 0.02))
+    short_chars = sum(len(d) for d in kept if d[0] == "s")
+    total = sum(len(d) for d in kept)
+    assert abs(total / (0.02 * sum(map(len, docs))) - 1) < 0.2  # about the asked share of the text
+    assert 0.01 < short_chars / total < 0.04  # their share of the corpus: 40 / 2040, about 2%
+    assert kept == list(_spread_sample(iter(docs), 0.02))  # the same sample every time

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from bst_fast.data import TextData, load_ids, load_tokenizer, save_tokenizer, train_bpe
 from bst_fast.data import text as text_mod
@@ -262,3 +263,49 @@ def test_a_uint64_id_past_int64_is_named_as_written(tmp_path):
         load_ids(tmp_path / "ids.npy")
     np.save(tmp_path / "ok.npy", ids[:1])
     assert [r.tolist() for r in load_ids(tmp_path / "ok.npy")] == [[1, 5, 2]]
+
+
+def test_from_ids_refuses_special_ids_inside_content(tmp_path):
+    """Content holds no PAD, BOS or EOS: from_ids adds them. An EOS-joined stream (the official
+    pre-tokenised layout) was taken as one document before: its EOS ids stayed content, and the
+    packed document ids ignored the real boundaries, so pairs crossed documents."""
+    np = pytest.importorskip("numpy")
+    for ids, name, at in (([[5, 6], [7, 2, 8]], "eos_id", "row 1, index 1"), ([[5, 0]], "pad_id", "row 0, index 1"),
+                          (np.array([9, 9, 9, 1], dtype=np.uint16), "bos_id", "row 0, index 3")):
+        with pytest.raises(ValueError, match=rf"token id \d at {at} is {name} .*split an EOS-joined stream"):
+            TextData.from_ids(ids, vocab_size=10, max_len=8)
+    with pytest.raises(ValueError, match=r"token id 7 at row 0, index 0 is eos_id \(7\)"):
+        TextData.from_ids([[7, 3]], vocab_size=10, pad_id=5, bos_id=6, eos_id=7)
+    d = TextData.from_ids([[0, 1, 2]], vocab_size=10, pad_id=5, bos_id=6, eos_id=7, max_len=8)  # others' ids: content
+    tokens, lengths = d.batch(0, 1, 0)[:2]
+    assert tokens[0, :5].tolist() == [6, 0, 1, 2, 7]
+
+
+def test_text_data_names_a_tokenizer_that_is_not_one(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    for tok in ("tokenizer.json", None, tmp_path):
+        with pytest.raises(ValueError, match=r"tokenizer must be a tokenizers\.Tokenizer \(load_tokenizer\(path\)"):
+            TextData(tmp_path, tok, 16)
+
+
+def test_from_ids_copies_the_ids_once(monkeypatch):
+    """from_ids reads the ids in groups in their own dtype into one int32 array: the traced peak is
+    about the 4 bytes a token it keeps (20 before: int64 copies, a concatenate, a cast). Groups of
+    2**16 ids here, so that a group's temporaries (a constant) stay small beside 3M ids."""
+    np = pytest.importorskip("numpy")
+    import tracemalloc
+
+    monkeypatch.setattr(text_mod, "_GROUP_IDS", 1 << 16, raising=False)
+    ids = np.random.default_rng(0).integers(3, 1000, 3_000_000).astype(np.uint16)
+    for rows in (ids, ids.reshape(-1, 300), [ids[:1000].astype(np.int64), ids[1000:]]):
+        tracemalloc.start()
+        try:
+            d = TextData.from_ids(rows, vocab_size=1000, max_len=256)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 7 * len(ids), peak / len(ids)
+        assert d.n_train + d.n_held_out > 0
+    whole = TextData.from_ids([ids[:1000].astype(np.int64), ids[1000:]], vocab_size=1000, max_len=256)
+    parts = TextData.from_ids([ids[:1000].astype(np.int64), ids[1000:].astype(np.int64)], vocab_size=1000, max_len=256)
+    assert all(torch.equal(a, b) for a, b in zip(whole.batch(3, 4, 0), parts.batch(3, 4, 0)))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ from .star import _Batches, _epoch_indices
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 in a tokenizer from train_bpe
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 _SEPARATOR = re.compile(_BLANK_LINE.pattern.encode())  # the same, on bytes
-_BLANKS = frozenset(b" \t\r\f\v")
+_BLANKS = b" \t\r\f\v"
 _BOM = b"\xef\xbb\xbf"
 _READ_BYTES = 8 << 20  # bytes of a file read at a time
 # Text per encode_batch call: HF tokenizers' Encoding objects and the Python id lists take about
@@ -139,6 +140,9 @@ def _documents(files, bar=None):
 
 def _file_documents(path, bar):
     buf, offset, checked = bytearray(), 0, False  # unread text, its position in the file, BOM looked for
+    # the blanks ending buf, counted as it grows: a long run of them is walked once, not at each
+    # read (walking back over it at every read took minutes for 256 MB of spaces)
+    blank_tail = 0
     with open(path, "rb") as fh:
         while True:
             chunk = fh.read(_READ_BYTES)
@@ -146,11 +150,11 @@ def _file_documents(path, bar):
                 bar.update(len(chunk))
             # a separator that began in the unread text starts at its last newline followed only
             # by blanks; none starts before that
-            scan = len(buf)
-            while scan and buf[scan - 1] in _BLANKS:
-                scan -= 1
+            scan = len(buf) - blank_tail
             scan = scan - 1 if scan and buf[scan - 1] == 10 else len(buf)
             buf += chunk
+            content = len(chunk.rstrip(_BLANKS))
+            blank_tail = blank_tail + len(chunk) if content == 0 else len(chunk) - content
             if not checked:  # utf-8-sig: a leading byte-order mark is dropped
                 if chunk and len(buf) < len(_BOM):
                     continue
@@ -158,6 +162,7 @@ def _file_documents(path, bar):
                 if buf.startswith(_BOM):
                     del buf[:len(_BOM)]
                     offset = len(_BOM)
+                    blank_tail = min(blank_tail, len(buf))
             if not chunk:
                 yield from _block(path, buf, offset)
                 return
@@ -168,6 +173,7 @@ def _file_documents(path, bar):
             if pos:
                 del buf[:pos]
                 offset += pos
+                blank_tail = min(blank_tail, len(buf))
 
 
 def _block(path, raw, at):
@@ -216,7 +222,8 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
     default gives PAD=0, BOS=1, EOS=2. Pre-tokens longer than MAX_PRETOKEN bytes are cut (module
     docstring), which keeps training near-linear in the corpus's size. progress: a bar on stderr
     (None: only for more than PROGRESS_BYTES of files). sample_bytes: train on documents spread
-    evenly over the corpus, about this many bytes of them (None, or at least the corpus: all).
+    evenly over the corpus, about this many bytes of them (None, or at least the corpus: all): each
+    document kept with probability sample_bytes / the files' bytes, long and short alike.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -248,13 +255,13 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
 
 
 def _spread_sample(documents, rate: float):
-    """Documents holding about `rate` of the characters, spread evenly: a document is kept when the
-    characters owed (rate x those seen) cover it."""
-    owed = 0.0
+    """Documents holding about `rate` of the characters, spread evenly: each kept with probability
+    `rate` whatever its length, by a fixed-seed draw (every process, so every DDP rank, keeps the
+    same). Keeping a document once the characters owed covered it, as before, kept short documents
+    far more often than long ones: at rate 0.02, 98% of a sample from 2% of the text."""
+    draw = random.Random(0).random
     for doc in documents:
-        owed += rate * len(doc)
-        if owed >= len(doc):
-            owed -= len(doc)
+        if draw() < rate:
             yield doc
 
 
@@ -339,7 +346,13 @@ def _encode_documents(tokenizer, documents) -> tuple[np.ndarray, np.ndarray]:
         flat, n = encoder.encode(batch)
         parts.append(flat)
         lengths.append(n)
-    flat = np.concatenate(parts) if parts else np.empty(0, np.int32)
+    # copied part by part into one array, each part freed once copied: its pages are written as they
+    # are filled, so the peak stays near the ids' 4 bytes a token (a concatenate held both, 7.8)
+    flat, at = np.empty(sum(len(p) for p in parts), np.int32), 0
+    for k in range(len(parts)):
+        part, parts[k] = parts[k], None
+        flat[at:at + len(part)] = part
+        at += len(part)
     return flat, (np.concatenate(lengths) if lengths else np.empty(0, np.int64))
 
 
@@ -389,21 +402,55 @@ def _as_rows(obj, source: str) -> list[np.ndarray]:
             i = int(row.argmax())
             raise ValueError(f"{source}: token id {int(row[i])} at row {r}, index {i} is outside any vocabulary "
                              f"(ids are stored as int32)")
-    return [row.astype(np.int64) for row in rows]
+    return rows  # in their own dtypes: _flat_ids copies them once, into int32
 
 
-def _check_vocab(rows: list[np.ndarray], vocab_size: int, source: str) -> None:
-    if not 1 <= vocab_size <= 2**31:  # the rows are stored as int32
-        raise ValueError(f"vocab_size must lie in [1, 2**31] (ids are stored as int32), got {_shown(vocab_size)}")
+_GROUP_IDS = 1 << 20  # ids checked and copied at a time by _flat_ids
+
+
+def _flat_ids(rows: list[np.ndarray], vocab_size: int, specials: dict, source: str):
+    """(flat int32 ids of `rows` back to back, each row's length (n,) int64), every id checked to be
+    in the vocabulary and none of `specials` ({name: id}: content holds no PAD, BOS or EOS, which
+    are added around it). Rows are read about _GROUP_IDS ids at a time, in their own dtype: the
+    peak is the int32 result and a group, not int64 copies of the whole corpus (about 20 bytes a
+    token before, traced)."""
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-    bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
-    if len(bad):
-        at = int(bad[0])
+    flat = np.empty(int(lengths.sum()), dtype=np.int32)
+
+    def where(at):  # (row, index) of flat position at
         r = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
-        i = at - int(lengths[:r].sum())
-        raise ValueError(f"{source}: token id {int(flat[at])} at row {r}, index {i} is outside "
-                         f"the vocabulary 0..{vocab_size - 1}")
+        return r, at - int(lengths[:r].sum())
+
+    def check_and_copy(group, lo, hi):
+        if len({g.dtype for g in group}) > 1:  # mixed kinds would promote to float64
+            group = [g.astype(np.int64) for g in group]
+        ids = np.concatenate(group) if len(group) > 1 else group[0]
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if len(bad):
+            r, i = where(lo + int(bad[0]))
+            raise ValueError(f"{source}: token id {int(ids[bad[0]])} at row {r}, index {i} is outside "
+                             f"the vocabulary 0..{vocab_size - 1}")
+        for name, v in specials.items():
+            hit = np.flatnonzero(ids == v)
+            if len(hit):
+                r, i = where(lo + int(hit[0]))
+                raise ValueError(f"{source}: token id {v} at row {r}, index {i} is {name}: a document holds content "
+                                 f"ids only (PAD, BOS and EOS are added around it); split an EOS-joined stream of "
+                                 f"documents at its EOS ids into one row each")
+        flat[lo:hi] = ids
+
+    # rows cut into pieces of at most a group (a 1-D array is one long document), gathered into groups
+    group, lo, hi = [], 0, 0
+    for row in rows:
+        for a in range(0, len(row), _GROUP_IDS):
+            group.append(row[a:a + _GROUP_IDS])
+            hi += len(group[-1])
+            if hi - lo >= _GROUP_IDS:
+                check_and_copy(group, lo, hi)
+                group, lo = [], hi
+    if group:
+        check_and_copy(group, lo, hi)
+    return flat, lengths
 
 
 class _Rows:
@@ -465,6 +512,9 @@ class TextData(_Batches):
         PROGRESS_BYTES of files)."""
         max_len, held_out, seed = _check_split(max_len, held_out, seed)  # before reading anything
         check_pack(pack)
+        if not (hasattr(tokenizer, "token_to_id") and hasattr(tokenizer, "to_str")):
+            raise ValueError(f"tokenizer must be a tokenizers.Tokenizer (load_tokenizer(path) reads one from a file, "
+                             f"train_bpe trains one), got {type(tokenizer).__name__} {short(tokenizer)}")
         ids = {}
         for name in SPECIAL_TOKENS:
             ids[name] = tokenizer.token_to_id(name)
@@ -492,8 +542,9 @@ class TextData(_Batches):
                  max_doc_tokens: int | None = None) -> "TextData":
         """Pre-tokenised documents: `rows` is a path to a .npy/.pt file (see load_ids), an array,
         or a list of id sequences, one document each, holding content ids only (BOS/EOS are
-        added here). Any id outside 0..vocab_size-1 raises a ValueError naming the source and the
-        (row, index) of the first one. max_len=None keeps documents whole; pack, max_doc_tokens: as
+        added here). Any id outside 0..vocab_size-1, or equal to pad_id, bos_id or eos_id, raises a
+        ValueError naming the source and the (row, index) of the first one (an EOS-joined stream,
+        the official pre-tokenised layout, is split at its EOS ids into one document each first). max_len=None keeps documents whole; pack, max_doc_tokens: as
         TextData takes them."""
         vocab_size = check_int("vocab_size", vocab_size, 1)
         # before a file is read; max_len None is replaced below by the longest document's
@@ -504,19 +555,22 @@ class TextData(_Batches):
             rows = load_ids(rows)
         source_name = _shown(source_name or "ids", True)
         rows = _as_rows(rows, source_name)
-        _check_vocab(rows, vocab_size, source_name)
+        if not 1 <= vocab_size <= 2**31:  # the rows are stored as int32
+            raise ValueError(f"vocab_size must lie in [1, 2**31] (ids are stored as int32), got {_shown(vocab_size)}")
         for name, v in (("pad_id", pad_id), ("bos_id", bos_id), ("eos_id", eos_id)):
             if not 0 <= check_int(name, v, 0) < vocab_size:
                 raise ValueError(f"{name}={_shown(v)} is outside the vocabulary 0..{vocab_size - 1}")
         if len({pad_id, bos_id, eos_id}) != 3:
             raise ValueError(f"pad_id, bos_id and eos_id must differ, got {pad_id}, {bos_id}, {eos_id}")
+        flat, lengths = _flat_ids(rows, vocab_size, {f"pad_id ({pad_id})": pad_id, f"bos_id ({bos_id})": bos_id,
+                                                     f"eos_id ({eos_id})": eos_id}, source_name)
+        del rows
         # (empty documents are dropped, and none left is an error, below)
-        max_len = checked_len if max_len is not None else max(max((len(r) for r in rows), default=0), 1) + 2
+        max_len = checked_len if max_len is not None else int(max(lengths.max(initial=0), 1)) + 2
         self = cls.__new__(cls)
         self.tokenizer = None
-        flat = np.concatenate(rows).astype(np.int32) if rows else np.empty(0, np.int32)
-        self._build(flat, np.array([len(r) for r in rows], dtype=np.int64), vocab_size, pad_id,
-                    bos_id, eos_id, max_len, held_out, seed, pack=pack, max_doc_tokens=max_doc_tokens)
+        self._build(flat, lengths, vocab_size, pad_id, bos_id, eos_id, max_len, held_out, seed, pack=pack,
+                    max_doc_tokens=max_doc_tokens)
         return self
 
     _prepared = None  # the PreparedCorpus of prepared.prepared_text_data
