@@ -19,9 +19,12 @@
 #
 # Through the device tool (at most 8 files come back, and a command over its limit is killed, so
 # ARCHIVE is rewritten after every step: what finished comes back even if the rest is cut off;
-# where $OUT is set, ARCHIVE defaults to $OUT/results.tgz). Issue 23's table and levers, about
-# 9 minutes (what the budget leaves of the last is cut):
-#   RESULTS_DIR=/tmp/r QUICK=1 STEPS="paper check-fused levers-paper lce" timeout 590 bash bench/gpu.sh
+# where $OUT is set, ARCHIVE defaults to $OUT/results.tgz; <card>-steps.tsv in it says how each step
+# ended). Issue 23's table and levers, about 9 minutes (what the budget leaves of the last is cut;
+# levers.py and logits_ce.py write what they timed as they go):
+#   RESULTS_DIR=/tmp/r QUICK=1 ARCHIVE=$OUT/results.tgz STEPS="paper check-fused levers-paper lce" timeout 590 bash bench/gpu.sh
+# A second call must fit the device time left (`status`'s budget_left_s, a fresh machine's start
+# included): issue it at once, while the machine is warm, with BUDGET and timeout below what is left.
 #
 # Every step runs even if an earlier one failed; the exit status is nonzero if any did.
 set -uo pipefail
@@ -32,8 +35,9 @@ ALL_STEPS="paper check-fused levers-paper lce paper-compiled levers ce segments 
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
-name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
-    echo "bench/gpu.sh: no CUDA device visible to torch" >&2; exit 1; }
+# (under a timeout: a hung CUDA start would spend the whole call and bring nothing back)
+name=$(timeout -k 5 90 python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || {
+    echo "bench/gpu.sh: no CUDA device visible to torch (or its start took over 90 s)" >&2; exit 1; }
 out=${RESULTS_DIR:-bench/results}
 [ -n "${OUT:-}" ] && [ -z "${ARCHIVE:-}" ] && ARCHIVE=$OUT/results.tgz  # the device tool brings back $OUT only
 quick=${QUICK:-0}
@@ -41,27 +45,42 @@ budget=${BUDGET:-570}
 mkdir -p "$out"
 status=0
 skipped=""
+# How each step ended, in the archive too (the "!!" lines go to stdout only): step, exit status
+# (124: its timeout, 137: killed after it; "skipped": no time left), seconds, timeout, started at
+steps_tsv="$out/$name-steps.tsv"
+printf 'step\trc\tseconds\ttimeout\tstarted_s\n' > "$steps_tsv"
+archive() {  # written whole, then renamed: a kill never leaves half an archive
+    # without the profiler's traces: a file over the device tool's 16 MiB would not come back
+    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE.part" --exclude='*.trace.json' -C "$out" . && mv "$ARCHIVE.part" "$ARCHIVE"
+}
 step() {  # step <seconds> <log name> <command...>
     local t=$1 log=$2; shift 2
     [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $log "* ]] && return 0
     local left=$((budget - SECONDS))
     if [ "$left" -lt 30 ]; then
-        echo "!! $log skipped: ${left}s of the ${budget}s budget left"; skipped="$skipped $log"; return 0
+        echo "!! $log skipped: ${left}s of the ${budget}s budget left"; skipped="$skipped $log"
+        printf '%s\tskipped\t0\t%s\t%s\n' "$log" "$t" "$SECONDS" >> "$steps_tsv"; archive; return 0
     fi
     [ "$t" -gt "$left" ] && t=$left
     echo "== $name: $log (timeout ${t}s)"
-    timeout -k 10 "$t" "$@" 2>&1 | tee "$out/$name-$log.txt" || { echo "!! $log failed or timed out"; status=1; }
-    if [ -n "${ARCHIVE:-}" ]; then  # written whole, then renamed: a kill never leaves half an archive
-        # without the profiler's traces: a file over the device tool's 16 MiB would not come back
-        tar czf "$ARCHIVE.part" --exclude='*.trace.json' -C "$out" . && mv "$ARCHIVE.part" "$ARCHIVE"
-    fi
+    local start=$SECONDS rc
+    timeout -k 10 "$t" "$@" 2>&1 | tee "$out/$name-$log.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || { echo "!! $log failed or timed out (exit $rc)"; status=1; }
+    echo "## $log: exit $rc after $((SECONDS - start))s (timeout ${t}s)" >> "$out/$name-$log.txt"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$log" "$rc" "$((SECONDS - start))" "$t" "$start" >> "$steps_tsv"
+    archive
 }
 
 # The C++ extension first, on every core: bst_fast imports it (the pair sampler and the CPU
 # engine), so no step runs without it. Incremental: quick where it is built already.
 echo "== $name: build"
-MAX_JOBS=$(nproc) timeout -k 10 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1 || {
-    echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
+MAX_JOBS=$(nproc) timeout -k 10 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1
+rc=$?
+[ "$rc" = 0 ] || { echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
+printf 'build\t%s\t%s\t200\t0\n' "$rc" "$SECONDS" >> "$steps_tsv"
+git rev-parse HEAD > "$out/$name-commit.txt" 2>/dev/null || true  # what ran (a copy of the tree: may be absent)
+nvidia-smi > "$out/$name-nvidia-smi.txt" 2>&1 || true
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 # The paper's Table 3 (GPT, BST original, BST improved, and with the SwiGLU head) through
 # bst_fast.trainer.train_step at the paper's shape, 20 timed steps a column, first. Each BST column
@@ -76,7 +95,7 @@ step 330 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$
 # 3001, 64, 77 and hidden widths 40, 200, 48-24-40, 96, 96-40: unaligned halves and K-loops with a
 # tail; relu at 2 and 3 layers (the last case is where relu_in_gemm acts), 3-4 layer heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
 F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
-step 120 check-fused $F python3 bench/gpu_check.py cuda triton
+step 200 check-fused $F python3 bench/gpu_check.py cuda triton  # mostly compiles: ~135 kernel signatures
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
@@ -150,4 +169,6 @@ if [ "$quick" != 1 ]; then
 fi
 [ -n "$skipped" ] && echo "skipped for the ${budget}s budget:$skipped (run them with STEPS=... or a larger BUDGET)"
 echo "bench/gpu.sh: ${SECONDS}s"
+printf 'total\t%s\t%s\t%s\t0\n' "$status" "$SECONDS" "$budget" >> "$steps_tsv"
+archive
 exit $status

@@ -174,50 +174,68 @@ def main(argv=None):
 
     times = {name: [] for name in levers}
     peaks = {}
+    device = bench_pairs.device_name(args.device)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / device.lower()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def report(done: int, final: bool = False):
+        """levers.json and levers.md with the checks and the first `done` rounds of reps: written
+        after the checks and after every round, so a run cut short by its time box (gpu.sh) leaves
+        what it measured, marked incomplete."""
+        base = statistics.median(times["default"]) if done else None
+        sub_base = statistics.median(times["pairs=0.02"]) if done and "pairs=0.02" in times else None
+        rows = []
+        for name in levers:
+            ms = statistics.median(times[name]) * 1e3 if done else None
+            ref_ms = (sub_base if LEVERS[name][1] else base)
+            rows.append(dict(name=name, ms=ms, speedup_vs_default=None if ms is None else ref_ms * 1e3 / ms,
+                             fraction_of_all_pairs=None if ms is None else ms / (base * 1e3),
+                             peak_mem_mb=peaks.get(name), max_rel_err_vs_default=checks[name],
+                             times_ms=[t * 1e3 for t in times[name]]))
+        result = dict(device=device, torch=torch.__version__, dtype=args.dtype, backend=args.backend,
+                      shape=dict(B=B, T=T, m=m, hidden=args.hidden, layers=args.layers, V=V,
+                                 pairs=int(pair_counts(torch.full((B,), T), torch.zeros(B, dtype=torch.long), 2, T,
+                                                       T).sum())),
+                      reps=done, reps_asked=args.reps, complete=done == args.reps, failed=failed, rows=rows)
+        part = out / "levers.json.part"
+        part.write_text(json.dumps(result, indent=1) + "\n")
+        part.replace(out / "levers.json")
+        state = "" if done == args.reps else f" **Incomplete: {done} of {args.reps} reps** (the run was cut short)."
+        lines = [f"# Pair-loss levers on {device}", "",
+                 f"torch {torch.__version__}, {args.dtype}, backend {args.backend}, B={B} T={T} m={m} h={args.hidden} "
+                 f"layers={args.layers} V={V}, median of {done} interleaved reps after a warm-up. "
+                 "Subsampled rows compare with `pairs=0.02`, the rest with `default`." + state, "",
+                 "| setting | ms | speedup vs default | of all-pairs time | peak MB | max rel. err vs default |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        fmt = lambda v, spec, unit="": "-" if v is None else f"{v:{spec}}{unit}"
+        for r in rows:
+            lines.append(f"| {r['name']} | {fmt(r['ms'], '.2f')} | {fmt(r['speedup_vs_default'], '.3f', 'x')} "
+                         f"| {fmt(r['fraction_of_all_pairs'], '.3f')} | {fmt(r['peak_mem_mb'], '.1f')} "
+                         f"| {r['max_rel_err_vs_default']:.2e} |")
+        for name, why in failed.items():
+            lines += ["", f"**Not timed: {name}** {why}."]
+        part = out / "levers.md.part"
+        part.write_text("\n".join(lines) + "\n")
+        part.replace(out / "levers.md")
+        if final:
+            print("\n".join(lines))
+            print(f"wrote {out / 'levers.json'} and {out / 'levers.md'}")
+        else:
+            print(f"levers: {done} of {args.reps} reps written to {out / 'levers.json'}", flush=True)
+
+    report(0)
     for name in levers:  # one warm-up each, with its peak memory
         with bench_pairs.PeakMemory(args.device) as mem:
             run(name)
             sync()
         peaks[name] = mem.growth / MB
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         for name in levers:
             t = time.perf_counter()
             run(name)
             sync()
             times[name].append(time.perf_counter() - t)
-
-    base = statistics.median(times["default"])
-    sub_base = statistics.median(times["pairs=0.02"]) if "pairs=0.02" in times else None  # with a subsampled row
-    rows = []
-    for name in levers:
-        ms = statistics.median(times[name]) * 1e3
-        sub = LEVERS[name][1]
-        rows.append(dict(name=name, ms=ms, speedup_vs_default=(sub_base if sub else base) * 1e3 / ms,
-                         fraction_of_all_pairs=ms / (base * 1e3), peak_mem_mb=peaks[name],
-                         max_rel_err_vs_default=checks[name], times_ms=[t * 1e3 for t in times[name]]))
-    device = bench_pairs.device_name(args.device)
-    result = dict(device=device, torch=torch.__version__, dtype=args.dtype, backend=args.backend,
-                  shape=dict(B=B, T=T, m=m, hidden=args.hidden, layers=args.layers, V=V,
-                             pairs=int(pair_counts(torch.full((B,), T), torch.zeros(B, dtype=torch.long), 2, T, T).sum())),
-                  reps=args.reps, failed=failed, rows=rows)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / device.lower()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "levers.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# Pair-loss levers on {device}", "",
-             f"torch {torch.__version__}, {args.dtype}, backend {args.backend}, B={B} T={T} m={m} h={args.hidden} "
-             f"layers={args.layers} V={V}, median of {args.reps} interleaved reps after a warm-up. "
-             "Subsampled rows compare with `pairs=0.02`, the rest with `default`.", "",
-             "| setting | ms | speedup vs default | of all-pairs time | peak MB | max rel. err vs default |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        err = f"{r['max_rel_err_vs_default']:.2e}"
-        lines.append(f"| {r['name']} | {r['ms']:.2f} | {r['speedup_vs_default']:.3f}x | {r['fraction_of_all_pairs']:.3f} "
-                     f"| {r['peak_mem_mb']:.1f} | {err} |")
-    for name, why in failed.items():
-        lines += ["", f"**Not timed: {name}** {why}."]
-    (out / "levers.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {out / 'levers.json'} and {out / 'levers.md'}")
+        report(rep + 1, final=rep + 1 == args.reps)
     if failed:
         raise SystemExit(f"levers: {len(failed)} setting(s) failed their check: {', '.join(failed)}")
 

@@ -32,6 +32,39 @@ def test_gpu_sh_knows_its_steps_and_refuses_others():
     assert run.returncode == 2 and "unknown step 'hedas'" in run.stderr
 
 
+def test_gpu_sh_archive_says_how_each_step_ended(tmp_path):
+    """A dry run with a stand-in python3: the archive holds <card>-steps.tsv (each step's exit status,
+    seconds and timeout, a skipped one named) and each log's last line, a failing step does not stop
+    the next, and the exit status is 1. Before, "failed or timed out" and the skipped steps were on
+    stdout only: an archive could not tell a finished step from a cut one."""
+    import tarfile
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text("#!/bin/bash\n"
+                    "case \"$1\" in -c) echo NVIDIA-H200; exit 0;; setup.py) exit 0;; esac\n"
+                    "[[ \"$1\" == *gpu_check.py ]] && { echo broken; exit 3; }\n"
+                    "[[ \"$1\" == *levers.py ]] && sleep 5\n"
+                    "echo ran $1; exit 0\n")
+    fake.chmod(0o755)
+    archive = tmp_path / "out" / "results.tgz"
+    archive.parent.mkdir()
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RESULTS_DIR": str(tmp_path / "r"), "ARCHIVE": str(archive),
+           "STEPS": "paper lce check-fused levers-paper", "BUDGET": "33"}
+    run = subprocess.run(["bash", str(GPU_SH)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    with tarfile.open(archive) as tar:
+        steps = tar.extractfile("./NVIDIA-H200-steps.tsv").read().decode().splitlines()
+        check_log = tar.extractfile("./NVIDIA-H200-check-fused.txt").read().decode()
+    rows = {line.split("\t")[0]: line.split("\t")[1:] for line in steps[1:]}
+    assert list(rows) == ["build", "paper", "check-fused", "levers-paper", "lce", "total"]
+    assert rows["paper"][0] == "0" and rows["check-fused"][0] == "3" and rows["levers-paper"][0] == "0"
+    assert rows["lce"][0] == "skipped"  # under 30 s of the budget left after levers-paper's 5 s
+    assert rows["total"][0] == "1"
+    assert check_log.splitlines()[-1].startswith("## check-fused: exit 3 after ")
+
+
 def test_pairs_bench_memory_counts_what_the_warm_up_left(monkeypatch):
     """timed()'s growth counts the measured run's gradients although the warm-up's were alike: the
     reset frees them before the baseline (before stop 37 the growth left them out)."""
@@ -166,6 +199,29 @@ def test_logits_ce_bench_agrees_across_variants(tmp_path):
     assert [r["variant"] for r in rows] == ["unfused (addmm, cross-entropy, column sum)", "unfused, ce_bias_sums",
                                             "fused 16x32/16 w4 s1 (default)", "addmm alone (cuBLAS logits)"], rows
     assert all(r["ms"] > 0 and r["rel_err_vs_first"] < 1e-5 for r in rows), rows
+    assert json.loads(out.read_text())["complete"]
+    # A fused kernel whose gradient is wrong: its row is timed but named, and the exit status is 1
+    # (the error was computed and never compared: gpu.sh took a wrong kernel's time as a result).
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text(f"""import runpy, sys
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import bst_fast.kernels.logits_cross_entropy as m
+real = m.pair_logits_cross_entropy_
+def wrong(*a, **k):
+    out = real(*a, **k)
+    a[3].mul_(3.0)  # Z: the logits' gradient, tripled
+    return out
+m.pair_logits_cross_entropy_ = wrong
+sys.argv = ["logits_ce.py", "--device", "cpu", "--rows", "37", "--vocab", "19", "--K", "24", "--reps", "1",
+            "--out", {str(out)!r}]
+runpy.run_path({str(ROOT / "bench" / "logits_ce.py")!r}, run_name="__main__")
+""")
+    run = subprocess.run([sys.executable, str(wrong)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 1 and "fused 16x32/16 w4 s1 (default) differs from the first variant by" in run.stderr
+    result = json.loads(out.read_text())
+    assert list(result["failed"]) == ["fused 16x32/16 w4 s1 (default)"] and result["complete"]
+    assert [r["variant"] for r in result["results"]][2] == "fused 16x32/16 w4 s1 (default) FAIL"
 
 
 def test_gemm_shapes_bench_checks_its_triton_gemm(tmp_path):
@@ -386,6 +442,36 @@ def test_levers_bench_checks_each_setting_then_times_them_side_by_side(tmp_path)
         assert r["ms"] > 0 and len(r["times_ms"]) == 1
         assert r["max_rel_err_vs_default"] < 1e-5  # checked before it was timed (the sampler at pairs=1.0)
     assert "| bias_in_gemm |" in (tmp_path / "levers.md").read_text()
+    assert result["complete"] and result["reps"] == result["reps_asked"] == 1
+
+
+def test_levers_bench_cut_short_leaves_the_reps_it_timed(tmp_path, monkeypatch):
+    """gpu.sh cuts a step's time to what its budget leaves: levers.py wrote nothing before its last
+    rep, so a cut run came back empty. It writes after the checks and after every round of reps."""
+    import importlib.util
+    import time as time_mod
+
+    spec = importlib.util.spec_from_file_location("_bench_levers", ROOT / "bench" / "levers.py")
+    levers = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, levers)
+    spec.loader.exec_module(levers)
+    clock, calls = time_mod.perf_counter, []
+
+    def cut(*a):  # the timed reps read the clock twice a setting: killed as round 2 starts
+        calls.append(1)
+        if len(calls) > 4:
+            raise KeyboardInterrupt
+        return clock()
+
+    monkeypatch.setattr(levers.time, "perf_counter", cut)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(KeyboardInterrupt):
+        levers.main(["--device", "cpu", "--dtype", "float32", "--batch", "2", "--T", "6", "--d-model", "8",
+                     "--hidden", "8", "--vocab", "19", "--reps", "3", "--levers", "bias_in_gemm", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "levers.json").read_text())
+    assert result["reps"] == 1 and result["reps_asked"] == 3 and not result["complete"]
+    assert [len(r["times_ms"]) for r in result["rows"]] == [1, 1] and all(r["ms"] > 0 for r in result["rows"])
+    assert "**Incomplete: 1 of 3 reps**" in (tmp_path / "levers.md").read_text()
 
 
 def _modelled_growth(tmp_path, backend, *args):
