@@ -541,6 +541,15 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         _fail(ValueError, f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+    # with the other arguments, before any early return: a batch of short rows (no pair, a loss of 0
+    # under "sum" and "row_mean") hid a bad fraction or count
+    if pairs is not None and not isinstance(pairs, (tuple, list)):
+        if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
+            _fail(ValueError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
+        if isinstance(pairs, float) and not 0.0 < pairs <= 1.0:
+            _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
+        if isinstance(pairs, int) and pairs < 1:
+            _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
 
     dev = f.device
     sampled = isinstance(pairs, (int, float)) and not isinstance(pairs, bool)
@@ -645,12 +654,6 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
             weight = torch.full((row.numel(),), w, dtype=torch.float64, device=dev)
         return Pairs(scale=torch.ones((), dtype=torch.float64, device=dev), row=row, i=i, j=j, weight=weight, **common)
 
-    if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
-        _fail(ValueError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
-    if isinstance(pairs, float) and not 0.0 < pairs <= 1.0:
-        _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
-    if isinstance(pairs, int) and pairs < 1:
-        _fail(ValueError, f"pairs as a count per row must be >= 1, got {pairs}")
     k = sample_counts(pairs, counts)
     if bounds is None:
         sampler = sample_on_device if device_sampler else sample_pairs

@@ -57,7 +57,10 @@ class Objective:
             if eos_id is None:
                 raise ValueError("config field 'meet_token' is 'eos', but the data has no EOS id")
             meet = eos_id
-        return cls(pairs=cfg.pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
+        # the config's pairs is a fraction: a TrainConfig built in code may hold the int 1, which the
+        # loss would read as one pair a row (a config file's is read as the float 1.0: all pairs)
+        pairs = None if cfg.pairs is None else float(cfg.pairs)
+        return cls(pairs=pairs, next_weight=cfg.next_weight, gamma=cfg.gamma, backend=cfg.backend,
                    min_gap=cfg.min_gap, max_gap=cfg.max_gap, meet_token=meet, reduction=cfg.reduction)
 
     def totals(self, lengths, start_pos, L, documents=None):

@@ -109,6 +109,13 @@ BAD = {
     "pairs_count_negative": (lambda x: dict(pairs=-3), ValueError, "pairs"),
     "pairs_bool": (lambda x: dict(pairs=True), ValueError, "pairs"),
     "pairs_string": (lambda x: dict(pairs="all"), ValueError, "pairs"),
+    # a batch without a pair (a loss of 0 under sum and row_mean) hid these before
+    "pairs_nan_no_pair_sum": (lambda x: dict(lengths=torch.tensor([2, 1, 0]), pairs=float("nan"), reduction="sum"),
+                              ValueError, r"pairs as a fraction must lie in \(0, 1\], got nan"),
+    "pairs_count_no_pair_row_mean": (lambda x: dict(lengths=torch.tensor([2, 1, 0]), pairs=-3, reduction="row_mean"),
+                                     ValueError, "pairs as a count per row must be >= 1, got -3"),
+    "pairs_tensor_no_pair_mean": (lambda x: dict(lengths=torch.tensor([2, 1, 0]), pairs=torch.tensor(0.5)),
+                                  ValueError, "pairs must be None, a float fraction .* got Tensor"),
     "no_pair_short_rows": (lambda x: dict(lengths=torch.tensor([2, 1, 0])), ValueError, "no valid pair"),
     "no_pair_prefix_start": (lambda x: dict(prefix_start=9), ValueError, "no valid pair"),
     "no_pair_min_gap": (lambda x: dict(min_gap=L), ValueError, "no valid pair"),

@@ -8,7 +8,7 @@ import torch
 
 from bst_fast import belief_state_loss, load_model, train
 from bst_fast.checkpoint import latest_checkpoint
-from bst_fast.config import resolve_config
+from bst_fast.config import TrainConfig, resolve_config
 from bst_fast.tasks import Objective, build_task
 from bst_fast.trainer import build_run, train_step
 
@@ -237,6 +237,16 @@ def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monke
     assert best["step"] == 10 and best["value"] == 0.9
     train(tiny(d, seed=3, steps=2, eval_every=2, ckpt_every=2), overwrite=True)  # a new run: the old best goes
     assert not (d / "checkpoints" / "best").exists()
+
+
+def test_a_config_pairs_of_int_1_is_the_fraction_all_pairs():
+    """TrainConfig(pairs=1), built in code, passed check() as the fraction 1 and reached the loss as
+    the count 1 (one pair a row); the same config read from a file is 1.0 (all pairs)."""
+    lengths, start = torch.tensor([10, 8]), torch.zeros(2, dtype=torch.long)
+    for cfg in (TrainConfig(pairs=1), TrainConfig.from_dict(TrainConfig(pairs=1).to_dict())):
+        objective = Objective.from_config(cfg.check())
+        pairs, _, drawn = objective.totals(lengths, start, 10)
+        assert objective.pairs == 1.0 and isinstance(objective.pairs, float) and drawn == pairs == 36 + 21
 
 
 def test_objective_from_config_needs_an_eos_for_eos():
