@@ -99,8 +99,9 @@ def main():
             continue
         per_row = loss_rows[:n] + loss_rows[n : 2 * n] if cfg else loss_rows[:n].clone()
         got = (dc, per_row, Z.clone())
-        if first is None:
+        if first is None:  # the reference: the unfused default, unless it raised
             first = got
+            meta["reference"] = variant
         err = max((got[0] - first[0]).abs().max().item() / first[0].abs().max().clamp_min(1e-30).item(),
                   (got[1] - first[1]).abs().max().item() / first[1].abs().max().clamp_min(1e-30).item(),
                   (got[2].float() - first[2].float()).abs().max().item() / first[2].float().abs().max().item())

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
@@ -37,6 +38,10 @@ from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
 from .tasks import (RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
                     rank_failure, sum_over_ranks)
+
+
+# steps _prepare looks through for a first batch with something to learn from (Objective.nothing_to_learn)
+FIRST_BATCH_SEARCH = 64
 
 
 class TrainingStopped(RuntimeError):
@@ -213,7 +218,9 @@ def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
             print(f"step {step + 1}: the batch (row lengths {short(batch.lengths.tolist())}"
                   f"{' on rank 0' if run.world > 1 else ''}) holds {empty}: no update at this step, the "
                   "learning-rate schedule moves on", file=sys.stderr, flush=True)
-        run.scheduler.step()
+        with warnings.catch_warnings():  # before the first optimizer.step, torch warns of a skipped
+            warnings.simplefilter("ignore", UserWarning)  # first lr value, which is not what happens here
+            run.scheduler.step()
         return None
     run.optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros((), device=run.device)
@@ -313,24 +320,30 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
             # Compiled here, so that the first batch below compiles the training graph (with grad, as
             # a step runs it) and a broken compiler fails before the folder is touched.
             compile_encoders(run.model)
-        # the backend takes this head on this device, and the data gives a batch (the first step's,
-        # or the next one with something to learn from: train_step skips the others)
+        # the backend takes this head on this device, and the data gives a batch: the first step's, or
+        # the next one with something to learn from (train_step skips the others), looked for in the
+        # run's next FIRST_BATCH_SEARCH steps, past this call's end too (a resume or stop_at range of
+        # skipped steps alone must run); none there: a new run is refused, a resumed one goes on
+        # without the check
         with torch.enable_grad() if run.cfg.compile else torch.no_grad():
             at, empty = start, None
-            while (why := run.objective.nothing_to_learn(run.cfg.method, *run.batch(at)[3:5])):
+            limit = min(run.cfg.steps, start + FIRST_BATCH_SEARCH)
+            while at < limit and (why := run.objective.nothing_to_learn(run.cfg.method, *run.batch(at)[3:5])):
                 empty, at = empty or why, at + 1
-                if at == end:
-                    raise ValueError(f"no batch of steps {start + 1}..{end} has anything to learn from (step "
-                                     f"{start + 1}'s holds {empty}): the rows are too short for the objective; "
-                                     "check min_gap, max_gap and max_len against the data")
-            part = run.batch(at).split(run.cfg.grad_accum)[0]
+            if at == limit and start == 0:
+                raise ValueError(f"no batch of steps 1..{limit} has anything to learn from (step 1's holds "
+                                 f"{empty}): the rows are too short for the objective; check min_gap, max_gap and "
+                                 "max_len against the data")
+            part = run.batch(at).split(run.cfg.grad_accum)[0] if at < limit else None
             # the first step's backward would refuse it (this forward runs without grad): refused now
-            if part.documents is not None and run.cfg.model.attention == "flex" and torch.device(device).type == "cpu":
+            if part is not None and part.documents is not None and run.cfg.model.attention == "flex" \
+                    and torch.device(device).type == "cpu":
                 raise ValueError(FLEX_ON_CPU)
-            with autocast_for(device):
-                run.objective(run.model, part.tokens, part.lengths, prefix_start=part.prefix_start,
-                              generator=torch.Generator(), pair_total=part.pair_total, token_total=part.token_total,
-                              row_total=part.row_total, documents=part.documents)
+            if part is not None:
+                with autocast_for(device):
+                    run.objective(run.model, part.tokens, part.lengths, prefix_start=part.prefix_start,
+                                  generator=torch.Generator(), pair_total=part.pair_total, token_total=part.token_total,
+                                  row_total=part.row_total, documents=part.documents)
         return run, state, start, end
 
     built, failure = None, None
@@ -513,7 +526,9 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         bst_fast.train("configs/star_cpu.yaml", steps=500, out_dir="runs/mine", model={"n_layer": 2})
 
     resume continues from the latest checkpoint in out_dir; a run already at its last step is
-    reported (a line on stderr) and returns the figures logged at that step, with "step". stop_at
+    reported (a line on stderr) and returns the figures logged at that step, with "step". A step
+    whose whole batch has nothing to learn from (no pair; tasks.Objective.nothing_to_learn) makes no
+    update and is named on stderr; a logging interval of such steps alone logs a loss of nan. stop_at
     ends this call after that step with a checkpoint, as a pre-empted job would; a later call with
     resume=True continues to exactly the parameters of an uninterrupted run. overwrite starts over
     in an out_dir that holds another bst_fast run, deleting only that run's files.

@@ -274,6 +274,10 @@ def test_from_ids_refuses_special_ids_inside_content(tmp_path):
                           (np.array([9, 9, 9, 1], dtype=np.uint16), "bos_id", "row 0, index 3")):
         with pytest.raises(ValueError, match=rf"token id \d at {at} is {name} .*split an EOS-joined stream"):
             TextData.from_ids(ids, vocab_size=10, max_len=8)
+    with pytest.raises(ValueError, match=r"token id 2 at row 0, index 1 is eos_id"):  # the first, whichever kind
+        TextData.from_ids([[5, 2, 1, 99]], vocab_size=10, max_len=8)
+    with pytest.raises(ValueError, match=r"token id 99 at row 0, index 1 is outside the vocabulary"):
+        TextData.from_ids([[5, 99, 1]], vocab_size=10, max_len=8)
     with pytest.raises(ValueError, match=r"token id 7 at row 0, index 0 is eos_id \(7\)"):
         TextData.from_ids([[7, 3]], vocab_size=10, pad_id=5, bos_id=6, eos_id=7)
     d = TextData.from_ids([[0, 1, 2]], vocab_size=10, pad_id=5, bos_id=6, eos_id=7, max_len=8)  # others' ids: content

@@ -183,6 +183,41 @@ def test_a_step_with_nothing_to_learn_makes_no_update_and_the_run_goes_on(tmp_pa
     assert sorted(losses) == [1, 2, 3, 4] and losses[2] != losses[2] and all(losses[s] == losses[s] for s in (1, 3, 4))
 
 
+def test_a_run_stopped_before_steps_with_nothing_to_learn_resumes_exactly(tmp_path, monkeypatch):
+    """Steps 2 and 4 of 4 have nothing to learn from. A run stopped after step 3 (or 1) resumes over
+    them to the uninterrupted run's parameters, bit for bit: the first-batch check looks past the
+    call's own steps, and goes without a check where none has anything (a resume over only step 4
+    was refused before, at every try). A skipped first step warns of nothing."""
+    import warnings
+
+    import bst_fast.tasks as tasks
+
+    rows = tasks.TextTask.rows
+
+    def empty_at(steps):
+        def patched(self, step, batch_size):
+            tokens, lengths, start, documents = rows(self, step, batch_size)
+            return tokens, (torch.ones_like(lengths) if step in steps else lengths), start, documents
+        return patched
+
+    opts = dict(steps=4, log_every=1, eval_every=0, ckpt_every=0, batch_size=2, **{"model.dropout": 0.1})
+    monkeypatch.setattr(tasks.TextTask, "rows", empty_at({0}))
+    run = build_run(text(tmp_path, **opts).check(), "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warned that the schedule's first value was skipped
+        assert train_step(run, 0) is None
+    monkeypatch.setattr(tasks.TextTask, "rows", empty_at({1, 3}))
+    full = train(text(tmp_path, **opts), out_dir=str(tmp_path / "full"))  # the config's out_dir overridden
+    assert full["loss"] != full["loss"]  # step 4's interval trained no step
+    for stop in (3, 1):
+        cut = text(tmp_path, **opts)
+        train(cut, stop_at=stop, out_dir=str(tmp_path / f"cut{stop}"))
+        train(cut, resume=True, out_dir=str(tmp_path / f"cut{stop}"))
+        a, _ = load_model(tmp_path / "full")
+        b, _ = load_model(tmp_path / f"cut{stop}")
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
 def test_grad_accum_resume_is_bitwise_exact(tmp_path):
     opts = dict(grad_accum=2, pairs=0.5, steps=6, ckpt_every=0, **{"model.dropout": 0.1})
     train(tiny(tmp_path / "full", **opts))

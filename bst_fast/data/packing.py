@@ -18,8 +18,8 @@ pack: "split". The same items ([BOS, x_1 .. x_T, EOS], train and held-out apart)
 back in data order and the stream is cut every max_len tokens: row r is stream positions
 r * max_len .. (r + 1) * max_len - 1. The last row holds what is left (padded when batched with full
 rows) rather than being dropped as the official code drops it: nothing is lost, and a small
-held-out side still has a row (one too short for a pair, one or two tokens, drawn alone makes a
-step with no update: trainer.train_step). A row's documents are its runs between item starts (BOS): ids 0, 1,
+held-out side still has a row (one too short for the objective, such as one or two tokens for a
+BST at min_gap 2, drawn alone makes a step with no update: trainer.train_step). A row's documents are its runs between item starts (BOS): ids 0, 1,
 2, ... counting the item starts after the row's first position, so a row that starts mid-document
 trains on that fragment alone (id 0), as the official rows do. The ids come from the items'
 offsets, not from the token values, and a row is read from the items' (start, size) views when

@@ -166,6 +166,8 @@ def _file_documents(path, bar):
             if not chunk:
                 yield from _block(path, buf, offset)
                 return
+            if b"\n" not in chunk:  # a separator ends in a newline: none ends in this chunk, and the text
+                continue            # before it holds none (searched), so a long blank run is searched once
             pos = 0
             for m in _SEPARATOR.finditer(buf, scan):
                 yield from _block(path, buf[pos:m.start()], offset + pos)
@@ -371,7 +373,8 @@ def _doc_batches(documents, chars: int):
 
 def load_ids(path) -> list[np.ndarray]:
     """Documents of token ids from a .npy or .pt file: a 1-D array is one document, a 2-D array
-    one document per row, a .pt list one document per entry."""
+    one document per row, a .pt list one document per entry; each in the file's integer dtype (an
+    empty one may be float)."""
     path = Path(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {_shown(path, True)}")
@@ -425,18 +428,21 @@ def _flat_ids(rows: list[np.ndarray], vocab_size: int, specials: dict, source: s
         if len({g.dtype for g in group}) > 1:  # mixed kinds would promote to float64
             group = [g.astype(np.int64) for g in group]
         ids = np.concatenate(group) if len(group) > 1 else group[0]
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-        if len(bad):
-            r, i = where(lo + int(bad[0]))
-            raise ValueError(f"{source}: token id {int(ids[bad[0]])} at row {r}, index {i} is outside "
-                             f"the vocabulary 0..{vocab_size - 1}")
-        for name, v in specials.items():
-            hit = np.flatnonzero(ids == v)
-            if len(hit):
-                r, i = where(lo + int(hit[0]))
-                raise ValueError(f"{source}: token id {v} at row {r}, index {i} is {name}: a document holds content "
-                                 f"ids only (PAD, BOS and EOS are added around it); split an EOS-joined stream of "
-                                 f"documents at its EOS ids into one row each")
+        outside = (ids < 0) | (ids >= vocab_size)
+        bad = outside.copy()
+        for v in specials.values():
+            bad |= ids == v
+        if bad.any():  # the first bad id, whichever its kind
+            at = int(bad.argmax())
+            r, i = where(lo + at)
+            v = int(ids[at])
+            if outside[at]:
+                raise ValueError(f"{source}: token id {v} at row {r}, index {i} is outside the vocabulary "
+                                 f"0..{vocab_size - 1}")
+            name = next(k for k, s in specials.items() if s == v)
+            raise ValueError(f"{source}: token id {v} at row {r}, index {i} is {name}: a document holds content "
+                             f"ids only (PAD, BOS and EOS are added around it); split an EOS-joined stream of "
+                             f"documents at its EOS ids into one row each")
         flat[lo:hi] = ids
 
     # rows cut into pieces of at most a group (a 1-D array is one long document), gathered into groups
