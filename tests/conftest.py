@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n 2 (.ci/run) on two cores: one thread a worker, not two each (OpenMP threads waiting
+    # for a core the other worker holds made the C++ engine's tests many times slower). The tests of
+    # thread counts set theirs.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def one_thread():
