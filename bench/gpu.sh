@@ -22,7 +22,7 @@
 # where $OUT is set, ARCHIVE defaults to $OUT/results.tgz; <card>-steps.tsv in it says how each step
 # ended). Issue 23's table and levers, about 9 minutes (what the budget leaves of the last is cut;
 # levers.py and logits_ce.py write what they timed as they go):
-#   RESULTS_DIR=/tmp/r QUICK=1 ARCHIVE=$OUT/results.tgz STEPS="paper check-fused levers-paper lce" timeout 590 bash bench/gpu.sh
+#   RESULTS_DIR=/tmp/r QUICK=1 ARCHIVE=$OUT/results.tgz STEPS="paper lce levers-paper check-fused" timeout 590 bash bench/gpu.sh
 # A second call must fit the device time left (`status`'s budget_left_s, a fresh machine's start
 # included): issue it at once, while the machine is warm, with BUDGET and timeout below what is left.
 #
@@ -31,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper check-fused levers-paper lce paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper lce levers-paper check-fused paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -91,19 +91,20 @@ slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 V4="fused=fused_ce=1,relu_in_gemm=1,hidden_sums=1,split_16bit=1"
 step 330 paper python3 bench/paper_speed.py --device cuda --shape paper --out "$out/$slug" --variant "$V4" \
     --variant device-pairs=host_pairs=0
-# the float64 checks with fused_ce, relu_in_gemm, hidden_sums and split_16bit on (the cases' V = 101,
-# 3001, 64, 77 and hidden widths 40, 200, 48-24-40, 96, 96-40: unaligned halves and K-loops with a
-# tail; relu at 2 and 3 layers (the last case is where relu_in_gemm acts), 3-4 layer heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
-F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
-step 200 check-fused $F python3 bench/gpu_check.py cuda triton  # mostly compiles: ~135 kernel signatures
+# The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
+# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
+step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
 # the levers at the paper's head (3 x 512, relu: the hidden layers' levers apply) on 32 rows of the
 # paper's encoders' width, each against the defaults, interleaved
 step 150 levers-paper python3 bench/levers.py --device cuda --reps 7 --batch 32 --T 256 --d-model 768 --hidden 512 \
     --layers 3 --activation relu --levers default fused_ce relu_in_gemm hidden_sums relu_in_gemm+hidden_sums \
     fused_ce+relu_in_gemm+hidden_sums split_16bit ce_bias_sums "pairs=0.02 device pair list" --out "$out/$slug-levers-paper"
-# The last layer alone on one chunk of the paper's step: unfused (cuBLAS addmm, the cross-entropy, the
-# column sum) against the fused kernel (the switch fused_ce) under its block shapes, each checked.
-step 120 lce python3 bench/logits_ce.py --out "$out/$name-lce.json"
+# the float64 checks (after the timings, which check each setting themselves: a cut run keeps
+# them; its cases' lines print as they pass) with fused_ce, relu_in_gemm, hidden_sums and split_16bit on (the cases' V = 101,
+# 3001, 64, 77 and hidden widths 40, 200, 48-24-40, 96, 96-40: unaligned halves and K-loops with a
+# tail; relu at 2 and 3 layers (the last case is where relu_in_gemm acts), 3-4 layer heads), and the count of a subsampled loss's synchronisations (host pair lists: one)
+F="env BST_FAST_FUSED_CE=1 BST_FAST_RELU_IN_GEMM=1 BST_FAST_HIDDEN_SUMS=1 BST_FAST_SPLIT_16BIT=1"
+step 200 check-fused $F python3 bench/gpu_check.py cuda triton  # mostly compiles: ~135 kernel signatures
 # Table 3 with the encoders compiled (TrainConfig.compile, as `bst_fast.train` does with compile: true;
 # the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 ...)
 step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \

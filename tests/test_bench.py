@@ -44,7 +44,7 @@ def test_gpu_sh_archive_says_how_each_step_ended(tmp_path):
     fake = bin_dir / "python3"
     fake.write_text("#!/bin/bash\n"
                     "case \"$1\" in -c) echo NVIDIA-H200; exit 0;; setup.py) exit 0;; esac\n"
-                    "[[ \"$1\" == *gpu_check.py ]] && { echo broken; exit 3; }\n"
+                    "[[ \"$1\" == *logits_ce.py ]] && { echo broken; exit 3; }\n"
                     "[[ \"$1\" == *levers.py ]] && sleep 12\n"
                     "echo ran $1; exit 0\n")
     fake.chmod(0o755)
@@ -56,13 +56,13 @@ def test_gpu_sh_archive_says_how_each_step_ended(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     with tarfile.open(archive) as tar:
         steps = tar.extractfile("./NVIDIA-H200-steps.tsv").read().decode().splitlines()
-        check_log = tar.extractfile("./NVIDIA-H200-check-fused.txt").read().decode()
+        lce_log = tar.extractfile("./NVIDIA-H200-lce.txt").read().decode()
     rows = {line.split("\t")[0]: line.split("\t")[1:] for line in steps[1:]}
-    assert list(rows) == ["build", "paper", "check-fused", "levers-paper", "lce", "total"]
-    assert rows["paper"][0] == "0" and rows["check-fused"][0] == "3" and rows["levers-paper"][0] == "0"
-    assert rows["lce"][0] == "skipped"  # under 30 s of the budget left after levers-paper's 12 s
+    assert list(rows) == ["build", "paper", "lce", "levers-paper", "check-fused", "total"]
+    assert rows["paper"][0] == "0" and rows["lce"][0] == "3" and rows["levers-paper"][0] == "0"
+    assert rows["check-fused"][0] == "skipped"  # under 30 s of the budget left after levers-paper's 12 s
     assert rows["total"][0] == "1"
-    assert check_log.splitlines()[-1].startswith("## check-fused: exit 3 after ")
+    assert lce_log.splitlines()[-1].startswith("## lce: exit 3 after ")
 
 
 def test_pairs_bench_memory_counts_what_the_warm_up_left(monkeypatch):
