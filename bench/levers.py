@@ -177,6 +177,8 @@ def main(argv=None):
     device = bench_pairs.device_name(args.device)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / device.lower()
     out.mkdir(parents=True, exist_ok=True)
+    shape = dict(B=B, T=T, m=m, hidden=args.hidden, layers=args.layers, V=V,
+                 pairs=int(pair_counts(torch.full((B,), T), torch.zeros(B, dtype=torch.long), 2, T, T).sum()))
 
     def report(done: int, final: bool = False):
         """levers.json and levers.md with the checks and the first `done` rounds of reps: written
@@ -187,15 +189,12 @@ def main(argv=None):
         rows = []
         for name in levers:
             ms = statistics.median(times[name]) * 1e3 if done else None
-            ref_ms = (sub_base if LEVERS[name][1] else base)
+            ref_ms = sub_base if LEVERS[name][1] else base
             rows.append(dict(name=name, ms=ms, speedup_vs_default=None if ms is None else ref_ms * 1e3 / ms,
                              fraction_of_all_pairs=None if ms is None else ms / (base * 1e3),
                              peak_mem_mb=peaks.get(name), max_rel_err_vs_default=checks[name],
                              times_ms=[t * 1e3 for t in times[name]]))
-        result = dict(device=device, torch=torch.__version__, dtype=args.dtype, backend=args.backend,
-                      shape=dict(B=B, T=T, m=m, hidden=args.hidden, layers=args.layers, V=V,
-                                 pairs=int(pair_counts(torch.full((B,), T), torch.zeros(B, dtype=torch.long), 2, T,
-                                                       T).sum())),
+        result = dict(device=device, torch=torch.__version__, dtype=args.dtype, backend=args.backend, shape=shape,
                       reps=done, reps_asked=args.reps, complete=done == args.reps, failed=failed, rows=rows)
         part = out / "levers.json.part"
         part.write_text(json.dumps(result, indent=1) + "\n")

@@ -326,20 +326,22 @@ def _prepare(cfg: TrainConfig, folder: RunFolder, resume: bool, stop_at: Optiona
         # skipped steps alone must run); none there: a new run is refused, a resumed one goes on
         # without the check
         with torch.enable_grad() if run.cfg.compile else torch.no_grad():
-            at, empty = start, None
-            limit = min(run.cfg.steps, start + FIRST_BATCH_SEARCH)
-            while at < limit and (why := run.objective.nothing_to_learn(run.cfg.method, *run.batch(at)[3:5])):
-                empty, at = empty or why, at + 1
-            if at == limit and start == 0:
-                raise ValueError(f"no batch of steps 1..{limit} has anything to learn from (step 1's holds "
-                                 f"{empty}): the rows are too short for the objective; check min_gap, max_gap and "
-                                 "max_len against the data")
-            part = run.batch(at).split(run.cfg.grad_accum)[0] if at < limit else None
-            # the first step's backward would refuse it (this forward runs without grad): refused now
-            if part is not None and part.documents is not None and run.cfg.model.attention == "flex" \
-                    and torch.device(device).type == "cpu":
-                raise ValueError(FLEX_ON_CPU)
-            if part is not None:
+            batch, first_empty = None, None
+            for at in range(start, min(run.cfg.steps, start + FIRST_BATCH_SEARCH)):
+                batch = run.batch(at)
+                empty = run.objective.nothing_to_learn(run.cfg.method, batch.pair_total, batch.token_total)
+                if not empty:
+                    break
+                batch, first_empty = None, first_empty or empty
+            if batch is None and start == 0:
+                raise ValueError(f"no batch of steps 1..{min(run.cfg.steps, FIRST_BATCH_SEARCH)} has anything to "
+                                 f"learn from (step 1's holds {first_empty}): the rows are too short for the "
+                                 "objective; check min_gap, max_gap and max_len against the data")
+            if batch is not None:
+                part = batch.split(run.cfg.grad_accum)[0]
+                # the first step's backward would refuse it (this forward runs without grad): refused now
+                if part.documents is not None and run.cfg.model.attention == "flex" and torch.device(device).type == "cpu":
+                    raise ValueError(FLEX_ON_CPU)
                 with autocast_for(device):
                     run.objective(run.model, part.tokens, part.lengths, prefix_start=part.prefix_start,
                                   generator=torch.Generator(), pair_total=part.pair_total, token_total=part.token_total,

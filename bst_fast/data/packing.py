@@ -19,8 +19,8 @@ back in data order and the stream is cut every max_len tokens: row r is stream p
 r * max_len .. (r + 1) * max_len - 1. The last row holds what is left (padded when batched with full
 rows) rather than being dropped as the official code drops it: nothing is lost, and a small
 held-out side still has a row (one too short for the objective, such as one or two tokens for a
-BST at min_gap 2, drawn alone makes a step with no update: trainer.train_step). A row's documents are its runs between item starts (BOS): ids 0, 1,
-2, ... counting the item starts after the row's first position, so a row that starts mid-document
+BST at min_gap 2, drawn alone makes a step with no update: trainer.train_step). A row's documents
+are its runs between item starts (BOS): ids 0, 1, 2, ... counting the item starts after the row's first position, so a row that starts mid-document
 trains on that fragment alone (id 0), as the official rows do. The ids come from the items'
 offsets, not from the token values, and a row is read from the items' (start, size) views when
 batched: the stream is never built, so a memory-mapped corpus stays on disk.

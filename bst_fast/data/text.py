@@ -401,7 +401,7 @@ def _as_rows(obj, source: str) -> list[np.ndarray]:
         if row.ndim != 1 or not (row.dtype.kind in "iu" or row.size == 0):
             raise ValueError(f"{source}: row {r} must be a 1-D sequence of integer ids, "
                              f"got dtype {row.dtype} and shape {row.shape}")
-        if row.dtype == np.uint64 and row.size and int(row.max()) >= 2**63:  # int64 would read it as negative
+        if row.dtype == np.uint64 and row.size and int(row.max()) >= 2**63:  # past int64: in no vocabulary (nor int32)
             i = int(row.argmax())
             raise ValueError(f"{source}: token id {int(row[i])} at row {r}, index {i} is outside any vocabulary "
                              f"(ids are stored as int32)")
@@ -429,9 +429,7 @@ def _flat_ids(rows: list[np.ndarray], vocab_size: int, specials: dict, source: s
             group = [g.astype(np.int64) for g in group]
         ids = np.concatenate(group) if len(group) > 1 else group[0]
         outside = (ids < 0) | (ids >= vocab_size)
-        bad = outside.copy()
-        for v in specials.values():
-            bad |= ids == v
+        bad = outside | np.isin(ids, list(specials.values()))
         if bad.any():  # the first bad id, whichever its kind
             at = int(bad.argmax())
             r, i = where(lo + at)
@@ -550,8 +548,8 @@ class TextData(_Batches):
         or a list of id sequences, one document each, holding content ids only (BOS/EOS are
         added here). Any id outside 0..vocab_size-1, or equal to pad_id, bos_id or eos_id, raises a
         ValueError naming the source and the (row, index) of the first one (an EOS-joined stream,
-        the official pre-tokenised layout, is split at its EOS ids into one document each first). max_len=None keeps documents whole; pack, max_doc_tokens: as
-        TextData takes them."""
+        the official pre-tokenised layout, is split at its EOS ids into one document each first).
+        max_len=None keeps documents whole; pack, max_doc_tokens: as TextData takes them."""
         vocab_size = check_int("vocab_size", vocab_size, 1)
         # before a file is read; max_len None is replaced below by the longest document's
         checked_len, held_out, seed = _check_split(3 if max_len is None else max_len, held_out, seed)
