@@ -283,6 +283,15 @@ def _encoded(batches, tok, dtype, workers: int):
         workers_alive = list((getattr(pool, "_processes", None) or {}).values())  # the executor's own table
         for proc in workers_alive:
             proc.kill()  # no waiting on a worker's batch: the caller deletes the temporary folder
+        # A worker killed while sending its result leaves a partial message in the result pipe, and
+        # the executor's thread waits for the rest of it forever: the parent holds the pipe's other
+        # write end. Interpreter exit joins that thread, so the process hung after "interrupted".
+        # With every writer closed the read ends (EOF), the executor finds itself broken and cleans up.
+        writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+        if workers_alive and writer is not None:
+            for proc in workers_alive:
+                proc.join()  # their ends of the pipe close as they exit
+            writer.close()
         pool.shutdown(wait=False, cancel_futures=True)
         if isinstance(e, BrokenProcessPool):
             raise RuntimeError(f"an encoding process died ({e}): killed, or out of memory? Tokenize again, "
