@@ -18,6 +18,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <unordered_set>
 #include <utility>
@@ -69,6 +70,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_pairs(const at::Tensor& le
     int64_t n = 0;
     for_each_prefix(len[r], start[r], min_gap, max_gap, [&](int64_t, int64_t, int64_t count) { n += count; });
     TORCH_CHECK_VALUE(kk[r] >= 0 && kk[r] <= n, "k[", r, "] must lie in [0, |P_r| = ", n, "], got ", kk[r]);
+    // each k[r] <= |P_r| <= 2^61, but their sum can pass 2^63: a wrapped offset would place a row's
+    // slice outside the output
+    TORCH_CHECK_VALUE(kk[r] <= std::numeric_limits<int64_t>::max() - offset[r], "the sum of k must fit in int64: ",
+                      "k[0..", r, "] passes 2^63 - 1");
     offset[r + 1] = offset[r] + kk[r];
   }
   auto out_r = at::empty({offset[B]}, at::kLong), out_i = at::empty({offset[B]}, at::kLong),

@@ -436,6 +436,13 @@ EXTREME = {
                                        "            assert len(i) == 3 and bool((j - i >= 2).all()) and bool((j < 100000).all())\n"
                                        "            assert (i * 100000 + j).unique().numel() == 3 and bool(((i * 100000 + j).diff() > 0).all())",
                                        False),
+    # Every k[r] <= |P_r| (2^61 - 2^30 for a row of 2^31 tokens), but the sum of k wraps to 1: the
+    # output was one element long and row 5's slice began at a negative offset (a segfault on 2 threads)
+    "sample_k_sum_past_int64": ("N = 2**31; n = N * (N - 1) // 2; rest = 2**64 - 5 * n; ks = [rest // 4] * 3 + [rest - 3 * (rest // 4)]\n"
+                                "            import pytest\n"
+                                "            with pytest.raises(ValueError, match='the sum of k must fit in int64'):\n"
+                                "                op.sample_pairs(torch.tensor([N] * 5 + [10] + [N] * 4), torch.zeros(10, dtype=torch.long), 1, "
+                                "2**40, torch.tensor([n] * 5 + [1] + ks), 0)", False),
     # The same through the public API, every CPU backend.
     "public_prefix_start_int64_max": (
         "from bst_fast import TextHead, belief_state_loss\n"
