@@ -118,7 +118,7 @@ class TrainConfig:
         config shipped with bst_fast (`configs/star_cpu.yaml`, `star_cpu.yaml` or `star_cpu`)
         loads the shipped one, so the README's paths work outside a clone of the repository."""
         path = config_path(path)
-        yaml_file = str(path).endswith((".yaml", ".yml"))
+        yaml_file = path.suffix.lower() in (".yaml", ".yml")  # config.YAML too
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -180,6 +180,10 @@ class TrainConfig:
             bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:
             bad("star_path_len", ">= 2")
+        need = 1 + self.star_degree * (self.star_path_len - 1)  # G(d, l) has 1 + d (l - 1) nodes
+        if self.data == "star" and self.star_nodes < need:
+            bad("star_nodes", f">= 1 + star_degree * (star_path_len - 1) = {need} for G({self.star_degree}, "
+                f"{self.star_path_len})")
         if self.max_len < 4:
             bad("max_len", ">= 4")
         for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay",
@@ -376,7 +380,8 @@ MAX_YAML_ALIASES = 100
 
 
 def load_yaml(text: str):
-    """yaml.safe_load, refusing a document with more than MAX_YAML_ALIASES aliases (`*name`)."""
+    """yaml.safe_load, refusing a document with more than MAX_YAML_ALIASES aliases (`*name`) or a key
+    written twice in one mapping, with numbers in decimal only (below)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -401,6 +406,18 @@ def load_yaml(text: str):
                     seen.add(key)
             return node
 
+    # Numbers as a reader of the file means them: YAML 1.1 reads 010 as octal 8, 0x1f as 31 and 1:04
+    # as 64 (base 60), silently. Here an integer is decimal (underscores allowed, no leading zero)
+    # and a float has no base-60 form; those other spellings stay text, which a numeric field refuses.
+    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+    Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in (int_tag, float_tag)]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(int_tag, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789"))
+    Loader.add_implicit_resolver(float_tag, re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+                                                        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                                                        |[-+]?\.(?:inf|Inf|INF)
+                                                        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    Loader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node).replace("_", ""), 10))
     return yaml.load(text, Loader=Loader)
 
 

@@ -394,8 +394,15 @@ def model_config(cfg: TrainConfig, task: Task) -> TrainConfig:
     """A copy of `cfg` whose model fields the data decides are set: the vocabulary (teacherless: one
     extra id, the dummy answer token), the row length, and the plain next-token head when gamma > 0.
     `cfg` itself is left as it was checked."""
-    model = dataclasses.replace(cfg.model, vocab_size=task.vocab_size + (cfg.method == "teacherless"),
-                                max_len=task.max_len, gpt_head=cfg.gamma > 0)
+    decided = {"vocab_size": task.vocab_size + (cfg.method == "teacherless"), "max_len": task.max_len}
+    for name, value in decided.items():
+        # a value the user set that the data overrides would be dropped silently (a saved config's,
+        # equal to the data's, passes)
+        given, default = getattr(cfg.model, name), type(cfg.model).__dataclass_fields__[name].default
+        if given not in (default, value):
+            raise ValueError(f"config field 'model.{name}' is set by the data ({value} here), got {given}: leave it "
+                             f"out (text takes max_len and the tokenizer or text_vocab; star graphs their star_ fields)")
+    model = dataclasses.replace(cfg.model, **decided, gpt_head=cfg.gamma > 0)
     return dataclasses.replace(cfg, model=model.check())
 
 

@@ -385,6 +385,9 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     rank = dist.get_rank() if world > 1 else 0
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):  # resume="false" is truthy: it resumed
+            raise TypeError(f"{name} must be True or False, got {short(flag)}")
     folder = RunFolder(cfg.out_dir)
     try:
         setup = _prepare(cfg, folder, resume, stop_at, overwrite, device, world, rank)

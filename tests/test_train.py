@@ -277,6 +277,39 @@ def test_config_values_as_written_in_yaml(tmp_path, capsys):
         assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, field, written", [("steps: 010", "steps", "010"), ("seed: 0x1f", "seed", "0x1f"),
+                                                   ("batch_size: 1:04", "batch_size", "1:04"),
+                                                   ("lr: 1:30.0", "lr", "1:30.0"), ("steps: 0b11", "steps", "0b11")])
+def test_a_config_file_reads_numbers_in_decimal_only(tmp_path, text, field, written):
+    """YAML 1.1 read `steps: 010` as 8, `0x1f` as 31 and `1:04` as 64 (base 60), silently, where
+    --set reads 010 as 10: such a number is now refused, quoted as written."""
+    (tmp_path / "c.yaml").write_text(text + "\n")
+    with pytest.raises(ValueError, match=f"'{field}' must be (int|float), got '{re.escape(written)}'"):
+        TrainConfig.load(tmp_path / "c.yaml")
+    (tmp_path / "ok.yaml").write_text("steps: 1_000\nseed: 0\nlr: .5\nmin_lr: 1.0e-6\nout_dir: 010\n")
+    cfg = TrainConfig.load(tmp_path / "ok.yaml")
+    assert (cfg.steps, cfg.seed, cfg.lr, cfg.min_lr, cfg.out_dir) == (1000, 0, 0.5, 1e-6, "010")
+
+
+def test_a_config_files_suffix_is_read_whatever_its_case(tmp_path):
+    (tmp_path / "c.YAML").write_text("steps: 7\n")
+    assert TrainConfig.load(tmp_path / "c.YAML").steps == 7  # was parsed as JSON: "not valid JSON"
+
+
+def test_fields_the_data_sets_are_refused_when_set_otherwise(tmp_path, capsys):
+    """model.vocab_size and model.max_len were accepted and then overwritten by the data's; the star
+    graph's size is checked with the config, under the fields' names."""
+    from bst_fast.__main__ import main
+
+    for sets, field in ((["model.vocab_size=2"], "model.vocab_size"), (["model.max_len=1000000"], "model.max_len"),
+                        (["star_nodes=3"], "star_nodes")):
+        assert main(["train", "--config", str(TINY), "--set", f"out_dir={tmp_path / 'r'}", *sum((["--set", x] for x in sets), [])]) == 2
+        assert f"'{field}'" in capsys.readouterr().err, sets
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(TypeError, match="resume must be True or False, got 'false'"):
+        train(TINY, out_dir=str(tmp_path / "r"), resume="false")
+
+
 def test_yaml_and_json_configs_load_the_same(tmp_path):
     cfg = TrainConfig.load(TINY)
     (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
