@@ -68,6 +68,8 @@ def cmd_star(args):
     from .experiments import star
 
     cfg = _load_refusing(args, ["method"], "trains each of --methods in turn (choose them with --methods)")
+    if len(set(args.methods)) != len(args.methods):
+        raise ValueError(f"--methods must not repeat a method (each trains into out_dir/<method>), got {' '.join(args.methods)}")
     star(cfg, args.methods, args.resume)
 
 
@@ -180,14 +182,26 @@ def cmd_generate(args):
                                    ("--rollouts", args.rollouts, "plan")):
         if value is not None and search != applies:
             raise ValueError(f"{option} applies to --search {applies}, not {search}")
+    # checked here, by the flag's name: the decoders' errors name their own arguments (n_new, top_k)
+    V = cfg.model.vocab_size
+    for option, value, lowest, highest in (("--horizon", args.horizon, 0, None), ("--top-k", args.top_k, 1, V),
+                                           ("--rollouts", args.rollouts, 1, None), ("--beams", args.beams, 1, None)):
+        if value is not None and not (lowest <= value and (highest is None or value <= highest)):
+            raise ValueError(f"{option} must be an int >= {lowest}" + (f" and <= {highest} (the vocabulary size)"
+                             if highest is not None else "") + f", got {value}")
+    if args.temperature is not None and not 0 <= args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in [0, 2**63), got {short(str(args.seed))}")
     if args.horizon is not None:
         horizon = args.horizon
     elif star:
-        horizon = cfg.star_path_len - len(goal)
+        # the path nodes a prefix already holds after its last "=" are not generated again
+        given = prompt[::-1].index(codec.tok.answer_id) if codec.tok.answer_id in prompt else 0
+        horizon = cfg.star_path_len - given - len(goal)
         if horizon < 0:
-            raise ValueError(f"--suffix holds {len(goal)} nodes, more than a path's {cfg.star_path_len}")
+            raise ValueError(f"--prefix holds {given} path nodes after '=' and --suffix {len(goal)}: more than "
+                             f"a path's {cfg.star_path_len} nodes")
     else:
         horizon = min(32, cfg.model.max_len - len(prompt) - len(goal) - 1)
         if horizon < 1:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import heapq
+import numbers
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_int
+from ._checks import check_int, short
 from ._pairs import ID_DTYPES, full_lengths, id_dtype_ok
 
 
@@ -50,9 +51,20 @@ def _inference(fn):
     return run
 
 
+def _tensor(x, name) -> torch.Tensor:
+    """torch.as_tensor(x), or a ValueError naming the argument: None (no goal is (), the default)
+    and a string hold no ids, and torch's errors for them do not say which argument it was."""
+    if x is None or isinstance(x, (str, bytes)):
+        raise ValueError(f"{name} must hold integer token ids, got {short(x)}")
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must hold integer token ids, got {short(x)}") from None
+
+
 def _ids(x, name="ids") -> torch.Tensor:
     """One sequence of ids, (n,) or (1, n), as (n,): a batch of several is refused, not glued."""
-    t = torch.as_tensor(x, dtype=torch.long)
+    t = _tensor(x, name).long()
     if t.dim() > 2 or t.dim() == 2 and t.shape[0] != 1:
         raise ValueError(f"{name} must be one sequence of ids, (n,) or (1, n), got shape {tuple(t.shape)}")
     return t.reshape(-1)
@@ -67,7 +79,7 @@ def _check_ids(model, **named):
     model's vocabulary (known from its cfg; else only >= 0 is checked)."""
     V = getattr(getattr(model, "cfg", None), "vocab_size", None)
     for name, x in named.items():
-        t = None if x is None else torch.as_tensor(x)
+        t = None if x is None else _tensor(x, name)
         if t is None or t.numel() == 0:
             continue
         if t.dtype in (torch.uint16, torch.uint32):  # lossless in int64: a prepared corpus's ids, say
@@ -171,8 +183,14 @@ class BSTSearch:
         b = self.model.suffix_states(seqs)   # b[:, p+1] has read seqs[:, p+1:]
         p = torch.arange(first, L - 1, device=seqs.device)
         nxt, prv = self.model.logits(f[:, p - 1], b[:, p + 1])  # (n, |p|, V)
-        logp = F.log_softmax((nxt if head == "next" else prv).float(), -1)
+        logp = F.log_softmax(_score_dtype(nxt if head == "next" else prv), -1)
         return logp.gather(-1, seqs[:, p, None]).squeeze(-1).sum(-1)
+
+
+def _score_dtype(logits):
+    """Logits in float32 at least (a half-precision model's log-softmax and sums lose too much), and
+    in the model's own precision when it is higher: a float64 model's scores stay float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def searcher(model, eos_id: Optional[int] = None):
@@ -218,8 +236,8 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     ends once every row is. For a BST trained with meet pairs (docs/contract.md §8) this is the
     meet token: its Next head predicts it with the goal as suffix once the prefix has reached the
     goal (nothing is missing between them), and with the empty suffix at the end of a text."""
-    if stop_token is not None and (isinstance(stop_token, bool) or not isinstance(stop_token, int) or stop_token < 0):
-        raise ValueError(f"stop_token must be None or a token id (an int >= 0), got {stop_token!r}")
+    if stop_token is not None:
+        stop_token = check_int("stop_token", stop_token, 0)
     _check_ids(model, prefix=prefix, goal=goal, eos_id=eos_id, stop_token=stop_token)
     prefix = torch.as_tensor(prefix, dtype=torch.long)
     if prefix.dim() == 1:
@@ -229,21 +247,24 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     n_new = check_int("n_new", n_new, 0)
     if top_k is not None:
         top_k = check_int("top_k", top_k, 1)
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+    # a bool is no temperature (True would sample at 1); numpy's floats are Real numbers too
+    if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     _check_room(model, "the prompt and the generated tokens but the last", prefix.shape[1] + max(n_new - 1, 0))
     _check_goal_room(model, goal)
     search = searcher(model, eos_id)
     out = []
     logits = search.start(prefix, goal)
+    if top_k is not None and top_k > logits.shape[-1]:  # "keep all" would silently not be top-k sampling
+        raise ValueError(f"top_k must be at most the vocabulary size {logits.shape[-1]}, got {top_k}")
     done = torch.zeros(prefix.shape[0], dtype=torch.bool)
     for step in range(n_new):
         if temperature == 0:
             token = logits.argmax(-1)
         else:
             # Shifted by the row's maximum first, so a tiny temperature gives -inf, never inf - inf.
-            z = logits.float()
-            z = (z - z.max(-1, keepdim=True).values) / temperature
+            z = _score_dtype(logits)
+            z = (z - z.max(-1, keepdim=True).values) / float(temperature)
             if top_k is not None and top_k < z.shape[-1]:
                 # exactly k kept, ties by the lower index (a stable sort; a threshold at the k-th value
                 # kept every token tied with it, and topk's choice among ties is its own)
@@ -284,6 +305,8 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     with a goal by the known-goal score (the product over goal tokens of the Next head's
     probability given the prefix before it and the rest of the goal as suffix), without one by the
     unknown-goal score (the Prev head over the last `score_last` tokens, default `horizon`).
+    Note: the paper's unknown-goal score is a product over i = T-k..T, k + 1 factors; `score_last=k`
+    scores k tokens (pass score_last=k + 1 for the paper's count).
     Ties in priority pop in push order, and one step pushes its tokens in vocabulary order.
     """
     _check_ids(model, prompt=prompt, goal=goal, eos_id=eos_id)
@@ -316,7 +339,7 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
         if len(s) < end:
             logits = search.start(torch.tensor([s]), goal)[0]
             while True:
-                p = logits.float().softmax(-1).cpu()
+                p = _score_dtype(logits).softmax(-1).cpu()
                 x_max = int(p.argmax())
                 if left:
                     # Only the `left` most likely alternatives can ever be popped: pushing the rest
@@ -343,7 +366,7 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
     else:
         k = horizon if score_last is None else score_last
         scores = search.score(rows, end - k, "prev")
-    scores = torch.as_tensor(scores).float().cpu()
+    scores = _score_dtype(torch.as_tensor(scores)).cpu()
     return Plan(candidates[int(scores.argmax())], candidates, scores)
 
 
@@ -370,7 +393,7 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
         return seqs, logp
     logits = search.start(prompt[None], goal)
     for depth in range(n_new):
-        total = (F.log_softmax(logits.float(), -1).cpu() + logp[:, None]).reshape(-1)  # (beams * V,)
+        total = (F.log_softmax(_score_dtype(logits), -1).cpu() + logp[:, None]).reshape(-1)  # (beams * V,)
         V = logits.shape[-1]
         logp, flat = total.topk(min(beams, total.numel()))
         parent, token = flat // V, flat % V
@@ -387,6 +410,7 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
 def belief_states(model, tokens, lengths=None):
     """f at the end of each row's prefix: (B, L) tokens, (B,) lengths (default: full rows) -> (B, m).
     Works for a BST and a forward-only model (both have `forward_encoder`)."""
+    _check_ids(model, tokens=tokens)  # before the cast to int64, which would truncate 3.7 to 3
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.dim() == 1:
         tokens = tokens[None]
@@ -405,18 +429,26 @@ def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: in
                    lr: float = 3e-3, seed: int = 0) -> float:
     """Trains a small MLP (x -> hidden -> class) on (train_x, train_y) with full-batch AdamW and
     returns its accuracy on (test_x, test_y)."""
-    train_x, test_x = train_x.detach().float().cpu(), test_x.detach().float().cpu()
-    train_y, test_y = train_y.long().cpu(), test_y.long().cpu()
-    n_class = int(max(train_y.max(), test_y.max())) + 1
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        mlp = nn.Sequential(nn.Linear(train_x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, n_class))
-        opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
-        for _ in range(steps):
-            loss = F.cross_entropy(mlp(train_x), train_y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    hidden, steps = check_int("hidden", hidden, 1), check_int("steps", steps, 1)
+    for name, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+        if x.dim() != 2 or y.shape != x.shape[:1] or len(x) == 0:
+            raise ValueError(f"{name}_x must be (n, m) with n >= 1 and {name}_y (n,), got shapes "
+                             f"{tuple(x.shape)} and {tuple(y.shape)}")
+    # Training needs autograd even when the caller evaluates under no_grad or inference_mode; a
+    # tensor made in inference mode cannot be saved for backward, hence the copies (clone).
+    with torch.inference_mode(False), torch.enable_grad():
+        train_x, test_x = train_x.detach().float().cpu().clone(), test_x.detach().float().cpu().clone()
+        train_y, test_y = train_y.long().cpu().clone(), test_y.long().cpu().clone()
+        n_class = int(max(train_y.max(), test_y.max())) + 1
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            mlp = nn.Sequential(nn.Linear(train_x.shape[1], hidden), nn.GELU(), nn.Linear(hidden, n_class))
+            opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
+            for _ in range(steps):
+                loss = F.cross_entropy(mlp(train_x), train_y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
     with torch.no_grad():
         return float((mlp(test_x).argmax(-1) == test_y).float().mean())
 
@@ -424,15 +456,20 @@ def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: in
 def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Sequence[int], **probe_kw):
     """Paper §"Understanding Belief States": from f at `position` (star graphs: the "=" before the
     path), probe the token k steps ahead for each k. Returns {k: test accuracy}."""
-    L = min(torch.as_tensor(train_tokens).shape[-1], torch.as_tensor(test_tokens).shape[-1])
+    _check_ids(model, train_tokens=train_tokens, test_tokens=test_tokens)  # before the cast (no truncation)
+    rows = {"train": torch.as_tensor(train_tokens, dtype=torch.long),
+            "test": torch.as_tensor(test_tokens, dtype=torch.long)}
+    for name, t in rows.items():
+        if t.dim() != 2 or len(t) == 0:
+            raise ValueError(f"{name}_tokens must be (n, L) rows of ids with n >= 1, got shape {tuple(t.shape)}")
+    L = rows["train"].shape[1]
+    if rows["test"].shape[1] != L:  # positions are compared across the two: one L for both
+        raise ValueError(f"train_tokens and test_tokens must have rows of one length, got {L} and {rows['test'].shape[1]}")
     position = check_int("position", position, 0)
     ks = [check_int("ks", k, 1) for k in ks]
     if not ks or position + max(ks) >= L:
         raise ValueError(f"ks must be non-empty with position + k < L = {L} (position {position}), got {list(ks)}")
-    states = {}
-    for name, rows in (("train", train_tokens), ("test", test_tokens)):
-        rows = torch.as_tensor(rows)
-        states[name] = belief_states(model, rows[:, :position + 1])
-    return {k: probe_accuracy(states["train"], torch.as_tensor(train_tokens)[:, position + k],
-                              states["test"], torch.as_tensor(test_tokens)[:, position + k], **probe_kw)
+    states = {name: belief_states(model, t[:, :position + 1]) for name, t in rows.items()}
+    return {k: probe_accuracy(states["train"], rows["train"][:, position + k],
+                              states["test"], rows["test"][:, position + k], **probe_kw)
             for k in ks}

@@ -37,9 +37,21 @@ def _train_run(cfg, resume):
     return trainer.train(cfg, resume=go_on, overwrite=not go_on)
 
 
+def _check_star_data(base: TrainConfig, command: str):
+    """Path accuracy is a star-graph figure: on text data the table would be a column of nan."""
+    from ._checks import short
+
+    if base.data != "star":
+        raise ValueError(f"{command} compares path accuracy on star graphs: config field 'data' must be 'star', "
+                         f"got {short(base.data)} (train a text model with the train command)")
+
+
 def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
     prints their path accuracy side by side."""
+    _check_star_data(base, "star")
+    if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
+        raise ValueError(f"methods must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)
     for method in methods:
         cfg = copy.deepcopy(base)
@@ -99,6 +111,8 @@ def _check_out(out: Path):
 
     if out.is_dir():
         raise ValueError(f"table --out {short(str(out))} is a folder: give a file name")
+    if out.exists() and not os.access(out, os.W_OK):  # else the table is lost after every run has trained
+        raise ValueError(f"table --out {short(str(out))} exists and is not writable")
     existing = next((p for p in out.parents if p.exists()), None)  # the folder it is written in, or made in
     if existing is not None and not existing.is_dir():
         raise ValueError(f"table --out {short(str(out))}: {short(str(existing))} is a file, not a folder")
@@ -110,6 +124,7 @@ def _check_out(out: Path):
 def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
     """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
     per method; `out`: also write the table there, below `note`."""
+    _check_star_data(base, "table")
     if out:
         _check_out(Path(out))
     rows = []  # every row's config is checked before the first one trains

@@ -457,7 +457,7 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
     assert "'99' is out of the star-graph vocabulary" in capsys.readouterr().err
     prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
     for flags, name in ((["--rollouts", "0"], "rollouts"), (["--search", "beam", "--beams", "0"], "beams"),
-                        (["--search", "sample", "--top-k", "0"], "top_k"),
+                        (["--search", "sample", "--top-k", "0"], "--top-k"),
                         (["--search", "sample", "--temperature", "-1"], "temperature"),
                         # an option of another search is refused, not ignored
                         (["--temperature", "0.5"], "--temperature applies to --search sample"),

@@ -415,14 +415,15 @@ def path_accuracy(generate: Callable[[torch.Tensor, int], torch.Tensor], tokens:
     `device`: where the prefixes are sent (default: tokens' device).
     """
     tokens = torch.as_tensor(tokens)
-    n = len(tokens)
-    if n == 0:
-        raise ValueError("tokens is empty")
     prefix_start = check_int("prefix_start", prefix_start, 0)
     path_len, batch_size = check_int("path_len", path_len, 1), check_int("batch_size", batch_size, 1)
+    # the shape first: len() of a 0-d tensor is a TypeError that names nothing
     if tokens.dim() != 2 or prefix_start + path_len >= tokens.shape[1]:
         raise ValueError(f"tokens must be (n, L) rows holding prefix_start + 1 + path_len = "
                          f"{prefix_start + 1 + path_len} tokens, got shape {tuple(tokens.shape)}")
+    n = len(tokens)
+    if n == 0:
+        raise ValueError("tokens is empty")
     right_rows = 0
     right_pos = torch.zeros(path_len, dtype=torch.float64)
     for lo in range(0, n, batch_size):
