@@ -1,6 +1,7 @@
 """The Belief State Transformer: GPT-2-style forward and backward encoders, a TextHead, an optional GPT head."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import List, Union
 
@@ -10,8 +11,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
-from ._checks import check_int
-from ._pairs import check_documents, full_lengths, host_known, id_dtype_ok
+from ._checks import check_int, short
+from ._pairs import _as_row_vector, check_documents, full_lengths, host_known, id_dtype_ok
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -29,7 +30,7 @@ class ModelConfig:
     n_layer: int = 4  # transformer blocks per encoder
     d_model: int = 128  # width m of the residual stream and of f, b
     n_head: int = 4  # attention heads; d_model must divide by it
-    mlp_ratio: float = 4.0  # MLP width / d_model (the paper's star-graph model uses 1)
+    mlp_ratio: float = 4.0  # MLP width = round(mlp_ratio * d_model), at least 1 (the paper's star-graph model uses 1)
     dropout: float = 0.0  # on the encoders' attention, MLP and embeddings (not in the text head: docs/results.md#heads)
     # one encoder for both directions, told apart by a segment embedding added once to the input
     # (the paper: "in each transformer residual block"; the official code has no shared variant)
@@ -44,14 +45,16 @@ class ModelConfig:
     gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
     backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
     # packed rows' block-diagonal attention (docs/contract.md §10): "sdpa", a dense (B, T, T) mask, or
-    # "flex", torch's flex_attention with a block mask (compiled; skips the blocks no document spans)
+    # "flex", torch's flex_attention with a block mask (compiled; skips the blocks no document spans);
+    # rows of one document each (star graphs, unpacked text) take causal SDPA under either
     attention: str = "sdpa"
 
     def check(self, prefix: str = "model."):
         """Raise a ValueError naming the first field out of range (`prefix` + its name). The head's
         fields are checked whichever head (and method) uses them, so that one config can switch heads
         and methods (`star` and `table` train several from one): head_hidden, head_layers and
-        head_activation shape the 'mlp' TextHead only, and shared_encoders needs a backward encoder."""
+        head_activation shape the 'mlp' TextHead only. shared_encoders is taken without a backward
+        encoder too, where it has no effect."""
         def bad(name, want):
             raise ValueError(f"config field {prefix + name!r} must be {want}, got {getattr(self, name)!r}")
 
@@ -73,8 +76,9 @@ class ModelConfig:
         if self.d_model % self.n_head:
             bad("n_head", f"a divisor of d_model ({self.d_model})")
         width = self.mlp_ratio * self.d_model if self.d_model <= 2**24 else float("inf")  # no float overflow
-        if not 0 < width <= 2**24:  # a finite MLP width, at most 16M units
-            bad("mlp_ratio", f"a number > 0 with mlp_ratio * d_model at most 2**24 (d_model {self.d_model})")
+        # a finite MLP width, at most 16M units; Block rounds it, and a width rounded to 0 is refused, not clamped
+        if not 0 < width <= 2**24 or round(width) < 1:
+            bad("mlp_ratio", f"a number > 0 with round(mlp_ratio * d_model) in [1, 2**24] (d_model {self.d_model})")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "in [0, 1)")
         if self.attention not in ATTENTIONS:
@@ -100,7 +104,7 @@ class Block(nn.Module):
         self.n_head, self.dropout = n_head, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        hidden = max(1, int(round(mlp_ratio * d)))
+        hidden = int(round(mlp_ratio * d))  # ModelConfig.check refuses a width that rounds to 0
         self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d), nn.Dropout(dropout))
 
     def attend(self, x, cache=None, mask=None):
@@ -268,13 +272,68 @@ def next_token_loss(lm_head, f, tokens, lengths, prefix_start=0, total=None, doc
     """Plain next-token CE of lm_head(f_i) against tokens[i+1] over next_token_mask's positions."""
     mask = next_token_mask(lengths, prefix_start, tokens.shape[1], documents)  # (B, L-1)
     logits = lm_head(f[:, :-1])  # 16-bit logits upcast to float32; a float64 model's kept
-    ce = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2), tokens[:, 1:],
+    targets = tokens[:, 1:].masked_fill(~mask, 0)  # the untrained ones not read: padding may hold any id
+    ce = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2), targets,
                          reduction="none")
     if total is None:
         total = mask.sum()
         if not torch.compiler.is_compiling() and int(total) == 0:  # the trainer passes its total: no sync
             raise ValueError("the batch has no next-token position: every row is too short for prefix_start and lengths")
     return (ce * mask).sum() / total
+
+
+def checked_batch(tokens, lengths, documents, vocab_size, values: bool = True):
+    """(tokens, lengths) of a batch checked as forward checks it, naming the argument (full_lengths,
+    check_documents; `values` as check_documents takes it): the tokens as int64 (any id dtype
+    full_lengths takes, int8..int64 and uint8: the embedding and the cross-entropy read int64), with
+    the padding set to 0. Padding is never read (docs/contract.md §1) and may hold any id, -1 or V
+    too, which the embedding would index all the same."""
+    lengths = full_lengths(tokens, lengths, vocab_size)
+    if documents is not None:
+        check_documents(documents, lengths, *tokens.shape, tokens.device, values=values)
+    padding = torch.arange(tokens.shape[1], device=tokens.device)[None] >= lengths[:, None]
+    return tokens.long().masked_fill(padding, 0), lengths
+
+
+# what forward's totals must be (the pair_total wording is the one the trainer's tests have long matched)
+TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count; 0: it has no valid pair at all)",
+          "token_total": "a finite number > 0 (the whole batch's next-token target count)",
+          "row_total": "a finite number > 0 (the whole batch's row count)"}
+
+
+def check_total(name: str, value):
+    """A trainer's count that replaces the batch's own as a mean's divisor (TOTALS): None or a finite
+    number > 0, never a bool (0 divided by zero, a negative count flipped the loss's sign, inf made it 0)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not 0 < value < float("inf")):  # nan too
+        raise ValueError(f"{name} must be {TOTALS[name]}, got {short(value)}")
+
+
+def check_prefix_start(prefix_start, B: int):
+    """prefix_start as belief_state_loss checks it (an int or a (B,) integer tensor, >= 0), for the
+    models whose loss does not: its values where they are on the host (a GPU tensor's are not read
+    back, which would cost a sync a step; the tokens' are left alike, full_lengths)."""
+    ps = _as_row_vector(prefix_start, "prefix_start", B, prefix_start.device if torch.is_tensor(prefix_start) else "cpu")
+    if ps.device.type == "cpu" and bool((ps < 0).any()):
+        r = int((ps < 0).nonzero()[0])
+        raise ValueError(f"prefix_start must be >= 0, got prefix_start[{r}] = {int(ps[r])}")
+
+
+# The keywords Objective passes every model (tasks.Objective.__call__) that only the belief loss reads:
+# the next-token models take them and ignore them, and refuse any other (a typo's `document=` trained
+# packed rows as one document).
+BELIEF_ONLY = ("pairs", "next_weight", "gamma", "backend", "min_gap", "max_gap", "meet_token", "reduction",
+               "generator", "pair_total", "row_total")
+
+
+def check_belief_only(model, options):
+    """`options` (a next-token model's other keywords) are all BELIEF_ONLY; reduction as the BST's."""
+    unknown = sorted(set(options) - set(BELIEF_ONLY))
+    if unknown:
+        raise TypeError(f"{type(model).__name__}.forward got an unexpected keyword argument {unknown[0]!r} (it "
+                        f"takes lengths, prefix_start, token_total and documents, and ignores {', '.join(BELIEF_ONLY)})")
+    if options.get("reduction", "mean") not in ("mean", "row_mean"):
+        raise ValueError(f"reduction must be 'mean' or 'row_mean' for a model's loss, got {options['reduction']!r}")
 
 
 def _init_weights(module):
@@ -309,15 +368,22 @@ class BeliefStateTransformer(nn.Module):
         if cfg.head_tie_embedding:
             self.head.tie(self.forward_encoder.tok)
 
-    def prefix_states(self, tokens, documents=None):
+    def prefix_states(self, tokens, documents=None, *, lengths=None):
         """f: (B, L, m); f[r, i] has read tokens[r, 0..i] (packed rows: from its document's start;
-        `documents` as belief_state_loss takes them)."""
+        `documents` as belief_state_loss takes them). The batch is checked as forward checks it,
+        every position valid unless `lengths` (as forward takes them) says where the padding is."""
+        tokens, _ = checked_batch(tokens, lengths, documents, self.cfg.vocab_size)
+        return self._prefix_states(tokens, documents)
+
+    def _prefix_states(self, tokens, documents=None):
+        """prefix_states of a batch forward has checked."""
         return self.forward_encoder(tokens, segment=0, documents=document_sides(documents)[0])
 
     def suffix_states(self, tokens, lengths=None, documents=None):
         """b: (B, L, m) aligned with tokens; b[r, j] has read tokens[r, j..len_r-1] (read backwards;
-        packed rows: to its document's end)."""
-        return self._suffix_states(tokens, full_lengths(tokens, lengths, self.cfg.vocab_size), documents)
+        packed rows: to its document's end). The batch is checked as forward checks it."""
+        tokens, lengths = checked_batch(tokens, lengths, documents, self.cfg.vocab_size)
+        return self._suffix_states(tokens, lengths, documents)
 
     def _suffix_states(self, tokens, lengths, documents=None):
         """suffix_states of a batch forward has checked: (B,) lengths."""
@@ -335,7 +401,7 @@ class BeliefStateTransformer(nn.Module):
         the tokens (segment 0) stacked on their reversals (segment 1), so that each layer runs one
         set of kernels with twice the rows (the same f and b as prefix_states and _suffix_states)."""
         if self.suffix_constant is not None or self.backward_encoder is not None:
-            return self.prefix_states(tokens, documents), self._suffix_states(tokens, lengths, documents)
+            return self._prefix_states(tokens, documents), self._suffix_states(tokens, lengths, documents)
         B = tokens.shape[0]
         rev, idx, rev_docs = _suffix_input(tokens, lengths, documents)
         prefix_docs = document_sides(documents)[0]
@@ -346,6 +412,9 @@ class BeliefStateTransformer(nn.Module):
 
     def empty_suffix(self, eos_id: int):
         """B(∅): the backward state of a sequence holding EOS alone, (m,)."""
+        eos_id = check_int("eos_id", eos_id, 0)
+        if eos_id >= self.cfg.vocab_size:
+            raise ValueError(f"eos_id must lie in [0, vocab_size={self.cfg.vocab_size}), got {eos_id}")
         eos = torch.full((1, 1), eos_id, dtype=torch.long, device=self.forward_encoder.tok.weight.device)
         return self.suffix_states(eos)[0, 0]
 
@@ -370,25 +439,20 @@ class BeliefStateTransformer(nn.Module):
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
+        for name, total in (("pair_total", pair_total), ("token_total", token_total), ("row_total", row_total)):
+            check_total(name, total)
         # lengths given on the host (the trainer's, or None, or an int) reach the loss as given: it
         # draws and lists a subsample there without reading the GPU (prepare's host_pairs), while the
         # encoders run; the encoders take them on the tokens' device
         given = lengths
-        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
-        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
+        # the documents' kinds and shapes before the masks; their order with the loss's checks
+        tokens, lengths = checked_batch(tokens, lengths, documents, self.cfg.vocab_size, values=False)
         loss_lengths = given if host_known(given) else lengths
         # Ranges named for profilers (bench/paper_speed.py); record_function costs nothing unprofiled.
         with record_function("encoders"):
-            if documents is not None:  # kinds and shapes before the masks; their order with the loss's checks
-                check_documents(documents, lengths, *tokens.shape, tokens.device, values=False)
             f, b = self._states(tokens, lengths, documents)
+        # this part of the batch may have no pair (its loss is then 0), the whole batch must not (pair_total > 0)
         red = "sum" if reduction == "mean" and pair_total is not None else reduction
-        # this part of the batch may have no pair (its loss is then 0), the whole batch must not
-        if pair_total is not None and not pair_total > 0:
-            raise ValueError(f"pair_total must be > 0 (the whole batch's pair count), got {pair_total}: "
-                             "the batch has no valid pair at all")
-        if row_total is not None and not 0 < row_total < float("inf"):  # nan too
-            raise ValueError(f"row_total must be a finite number > 0 (the whole batch's row count), got {row_total}")
         with record_function("pair_loss"):
             belief = belief_state_loss(f, b, tokens, self.head, lengths=loss_lengths,
                                        prefix_start=prefix_start, min_gap=min_gap, max_gap=max_gap,
@@ -415,11 +479,13 @@ class ForwardOnly(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         _init_weights(self)
 
-    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **_):
-        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
-        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
-        if documents is not None:
-            check_documents(documents, lengths, *tokens.shape, tokens.device)
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **belief_only):
+        """Losses of a batch: dict(total = gpt = the next-token loss, belief None). `belief_only`:
+        the BST's loss options (BELIEF_ONLY), taken and ignored."""
+        check_belief_only(self, belief_only)
+        check_total("token_total", token_total)
+        tokens, lengths = checked_batch(tokens, lengths, documents, self.cfg.vocab_size)
+        check_prefix_start(prefix_start, tokens.shape[0])
         f = self.forward_encoder(tokens, documents=document_sides(documents)[0])
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total, documents)
         return {"total": loss, "gpt": loss, "belief": None}
@@ -439,12 +505,14 @@ class Teacherless(ForwardOnly):
         ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
         return tokens.masked_fill((i > ps) & (i < lengths[:, None]), self.dummy_id)
 
-    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **_):
+    def forward(self, tokens, lengths=None, *, prefix_start=0, token_total=None, documents=None, **belief_only):
         if documents is not None:
             raise ValueError("documents (packed rows) are not supported by the teacherless model: "
                              "its answer spans one row")
-        lengths = full_lengths(tokens, lengths, self.cfg.vocab_size)
-        tokens = tokens.long()  # any id dtype full_lengths takes (int8..int64, uint8): embedding and CE read int64
+        check_belief_only(self, belief_only)
+        check_total("token_total", token_total)
+        tokens, lengths = checked_batch(tokens, lengths, None, self.cfg.vocab_size)
+        check_prefix_start(prefix_start, tokens.shape[0])
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}

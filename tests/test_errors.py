@@ -666,7 +666,10 @@ def test_models_take_every_id_dtype_the_loss_takes():
         want = model(tokens, **kw)["total"]
         for dt in (torch.int8, torch.int16, torch.int32, torch.uint8):
             assert torch.equal(model(tokens.to(dt), **kw)["total"], want), (type(model).__name__, dt)
-    # the encoder casts integer ids only: a float or bool id is not truncated into a token
+    # the encoder casts integer ids only: a float or bool id is not truncated into a token (prefix_states
+    # checks its tokens as forward does; the encoder alone leaves them to the embedding to refuse)
     for dt in (torch.float32, torch.bool):
-        with pytest.raises(RuntimeError, match="indices"):
+        with pytest.raises(ValueError, match=f"tokens must be an integer tensor .*got {dt}"):
             bst.prefix_states(tokens.to(dt))
+        with pytest.raises(RuntimeError, match="indices"):
+            bst.forward_encoder(tokens.to(dt))

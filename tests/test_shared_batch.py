@@ -49,7 +49,7 @@ def _batch(layout=None, seed=1):
 def _two_calls(model, tokens, lengths, documents, *, prefix_start=0, gamma=0.0, pairs=None, seed=None, **opts):
     """The model's loss the pre-batching way: prefix_states, suffix_states, belief_state_loss,
     next_token_loss, combined as forward does (dict(total, belief, gpt, f, b))."""
-    f = model.prefix_states(tokens, documents)
+    f = model.prefix_states(tokens, documents, lengths=lengths)  # the padding's ids may go down
     b = model.suffix_states(tokens, lengths, documents)
     g = None if seed is None else torch.Generator().manual_seed(seed)
     belief = belief_state_loss(f, b, tokens, model.head, lengths=lengths, prefix_start=prefix_start,
