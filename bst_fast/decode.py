@@ -74,9 +74,9 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check_ids(model, **named):
+def _check_ids(model, values: bool = True, **named):
     """Each named argument (a prompt, a goal, eos_id; None skipped) holds integer token ids of the
-    model's vocabulary (known from its cfg; else only >= 0 is checked)."""
+    model's vocabulary (known from its cfg; else only >= 0 is checked; not checked unless `values`)."""
     V = getattr(getattr(model, "cfg", None), "vocab_size", None)
     for name, x in named.items():
         t = None if x is None else _tensor(x, name)
@@ -86,6 +86,8 @@ def _check_ids(model, **named):
             t = t.long()
         if not id_dtype_ok(t.dtype):
             raise ValueError(f"{name} must hold integer token ids ({ID_DTYPES}, uint16 or uint32), got {t.dtype}")
+        if not values:
+            continue
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or V is not None and hi >= V:
             bad = lo if lo < 0 else hi
@@ -410,7 +412,9 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
 def belief_states(model, tokens, lengths=None):
     """f at the end of each row's prefix: (B, L) tokens, (B,) lengths (default: full rows) -> (B, m).
     Works for a BST and a forward-only model (both have `forward_encoder`)."""
-    _check_ids(model, tokens=tokens)  # before the cast to int64, which would truncate 3.7 to 3
+    # the dtype before the cast to int64, which would truncate 3.7 to 3; the values below, at the valid
+    # positions only (padding past a row's length may hold any id, as the models take it)
+    _check_ids(model, values=False, tokens=tokens)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.dim() == 1:
         tokens = tokens[None]
@@ -421,7 +425,9 @@ def belief_states(model, tokens, lengths=None):
         r = int(bad[0])
         raise ValueError(f"lengths must lie in [1, L={tokens.shape[1]}] (a state has read at least one token), "
                          f"got lengths[{r}] = {int(lengths[r])}")
-    f = model.forward_encoder(tokens)
+    padding = torch.arange(tokens.shape[1], device=tokens.device)[None] >= lengths[:, None]
+    _check_ids(model, tokens=tokens[~padding])  # on any device (full_lengths reads a GPU's values lazily)
+    f = model.forward_encoder(tokens.masked_fill(padding, 0))  # causal: the padding's states are not read
     return f[torch.arange(len(f), device=f.device), torch.as_tensor(lengths, device=f.device) - 1]
 
 

@@ -4,10 +4,15 @@
 baseline and BST ablation of the paper's star-graph figure. Each run has its own folder under the
 config's out_dir; `resume` continues an interrupted series (a finished run is reported, a run not
 started yet is started).
+
+Each run's data sets its model's vocabulary and row length (tasks.model_config), and the methods'
+differ (teacherless adds a token, fim lengthens the row): a series takes model.vocab_size and
+model.max_len from its runs' data, whatever the base config holds (a saved run's config, say).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -37,19 +42,23 @@ def _train_run(cfg, resume):
     return trainer.train(cfg, resume=go_on, overwrite=not go_on)
 
 
-def _check_star_data(base: TrainConfig, command: str):
-    """Path accuracy is a star-graph figure: on text data the table would be a column of nan."""
+def _check_star_data(base: TrainConfig, command: str) -> TrainConfig:
+    """Path accuracy is a star-graph figure: on text data the table would be a column of nan. Returns
+    `base` with the model fields each run's data sets (module docstring) at their defaults."""
     from ._checks import short
 
     if base.data != "star":
         raise ValueError(f"{command} compares path accuracy on star graphs: config field 'data' must be 'star', "
                          f"got {short(base.data)} (train a text model with the train command)")
+    fields = type(base.model).__dataclass_fields__
+    model = dataclasses.replace(base.model, **{name: fields[name].default for name in ("vocab_size", "max_len")})
+    return dataclasses.replace(base, model=model)
 
 
 def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
     prints their path accuracy side by side."""
-    _check_star_data(base, "star")
+    base = _check_star_data(base, "star")
     if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
         raise ValueError(f"methods must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)
@@ -124,7 +133,7 @@ def _check_out(out: Path):
 def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
     """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
     per method; `out`: also write the table there, below `note`."""
-    _check_star_data(base, "table")
+    base = _check_star_data(base, "table")
     if out:
         _check_out(Path(out))
     rows = []  # every row's config is checked before the first one trains

@@ -303,7 +303,13 @@ TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count; 0: 
 
 def check_total(name: str, value):
     """A trainer's count that replaces the batch's own as a mean's divisor (TOTALS): None or a finite
-    number > 0, never a bool (0 divided by zero, a negative count flipped the loss's sign, inf made it 0)."""
+    number > 0, never a bool (0 divided by zero, a negative count flipped the loss's sign, inf made it 0).
+    A one-element tensor (an all-reduced count) is taken too, its value checked where it is on the host
+    (a GPU's would cost a sync a step)."""
+    if torch.is_tensor(value) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+        if value.device.type != "cpu":
+            return
+        value = value.item()
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                               or not 0 < value < float("inf")):  # nan too
         raise ValueError(f"{name} must be {TOTALS[name]}, got {short(value)}")

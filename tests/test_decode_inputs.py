@@ -58,6 +58,25 @@ def test_star_and_table_refuse_text_data_before_anything_trains(tmp_path, monkey
     assert not seen and capsys.readouterr().out == ""  # no fake table of nan printed
 
 
+def test_a_series_takes_the_model_fields_its_runs_data_sets(tmp_path, monkeypatch):
+    """A saved run's config as the base (model.vocab_size and max_len set by its data) trained some
+    rows of `table`, then stopped at the first row whose data sets other values (teacherless adds a
+    token, fim lengthens the row): every row's data now sets them."""
+    from bst_fast import experiments
+    from bst_fast.tasks import build_task, model_config
+
+    seen = fake_train(monkeypatch)
+    base = TrainConfig.load(TINY)
+    base.out_dir = str(tmp_path)
+    saved = model_config(base, build_task(base))  # what a bst run's checkpoint holds
+    assert saved.model.vocab_size != base.model.vocab_size
+    experiments.table(saved)
+    experiments.star(saved, methods=("bst", "forward"))
+    assert len(seen) == len(experiments.TABLE_ROWS) + 2
+    for cfg in seen:  # what each run's train would build
+        assert model_config(cfg, build_task(cfg)).model.vocab_size >= saved.model.vocab_size
+
+
 def test_star_refuses_a_repeated_method(tmp_path, monkeypatch, capsys):
     from bst_fast import experiments
 
@@ -129,6 +148,21 @@ def test_belief_states_and_probes_refuse_bad_inputs(call, says):
     tokens = torch.randint(0, 5, (8, 6), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=says):
         call(tiny_bst(), tokens)
+
+
+def test_belief_states_read_no_padding():
+    """Padding past a row's length may hold any id, as the models take it (model.checked_batch): -1 or V
+    there gave "tokens must hold token ids in 0..V-1"; an id out of range at a valid position is refused."""
+    model, V = tiny_bst(), 5
+    tokens, lengths = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(1)), torch.tensor([7, 4])
+    want = decode.belief_states(model, tokens, lengths)
+    for pad in (-1, V, 2**40):
+        padded = tokens.clone()
+        padded[1, 4:] = pad
+        assert torch.equal(decode.belief_states(model, padded, lengths), want), pad
+    tokens[1, 2] = V
+    with pytest.raises(IndexError, match=r"at valid positions, got tokens\[1, 2\] = 5"):
+        decode.belief_states(model, tokens, lengths)
 
 
 def test_path_accuracy_refuses_a_0d_tensor_by_name():

@@ -70,7 +70,8 @@ def test_next_token_loss_does_not_read_padding(pad):
     assert next_token_loss(head, f, _padded(pad), LENGTHS) == next_token_loss(head, f, _padded(0), LENGTHS)
 
 
-BAD_TOTALS = [0, 0.0, -3, float("inf"), float("nan"), True, "7", torch.tensor(5.0)]
+BAD_TOTALS = [0, 0.0, -3, float("inf"), float("nan"), True, "7", torch.tensor(0.0), torch.tensor([5.0, 1.0]),
+              torch.tensor(True)]
 
 
 @pytest.mark.parametrize("value", BAD_TOTALS, ids=repr)
@@ -90,7 +91,11 @@ def test_good_totals_still_divide_the_loss():
     model = _model(gpt_head=True)
     with torch.no_grad():
         out = model(TOKENS, LENGTHS, gamma=0.5, pair_total=2.5, token_total=3, row_total=4.0)
+        # an all-reduced count, a one-element tensor, as before
+        same = model(TOKENS, LENGTHS, gamma=0.5, pair_total=torch.tensor(2.5), token_total=torch.tensor([3]),
+                     row_total=torch.tensor(4.0, dtype=torch.float64))
     assert torch.isfinite(out["total"]) and float(out["total"]) > 0
+    assert torch.allclose(same["total"], out["total"])
 
 
 @pytest.mark.parametrize("cls", [ForwardOnly, Teacherless])
