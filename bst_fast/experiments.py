@@ -94,6 +94,20 @@ TABLE_ROWS = (
 TABLE_BASE = {"next_weight": 0.5, "model.backward_encoder": True}
 
 
+# The BST rows' objective settings beyond the table's own ablations (TABLE_BASE), named in its text
+# where a base config changes them: they reach every BST row.
+OBJECTIVE_FIELDS = ("pairs", "min_gap", "max_gap", "meet_token", "reduction", "gamma")
+
+
+def _objective(base: TrainConfig) -> str:
+    """The line of a table's text that says which pair objective its BST rows trained."""
+    fields = TrainConfig.__dataclass_fields__
+    changed = [f"{name}={getattr(base, name)!r}" for name in OBJECTIVE_FIELDS
+               if getattr(base, name) != fields[name].default]
+    return "BST objective: " + (", ".join(changed) + " (the rest as the defaults)" if changed else
+                                "the defaults (all pairs, min_gap 2, no GPT head)")
+
+
 def machine() -> str:
     """The CPU (or GPU) model, the thread count and the torch version, for result files."""
     import platform
@@ -151,7 +165,7 @@ def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, no
     text = "\n".join([
         f"Star graph G({base.star_degree},{base.star_path_len}), N={base.star_nodes} node labels, "
         f"{base.n_test} test graphs; {base.model.n_layer} layers x {base.model.d_model}, "
-        f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", "",
+        f"{base.steps} steps of {base.batch_size} rows. Machine: {machine()}.", _objective(base), "",
         "| method | path accuracy | final train loss | train time (s) |", "| --- | --- | --- | --- |", *lines, "",
         f"(guessing one arm at random scores 1/d = {1 / base.star_degree:.3f})"])
     _say("\n" + text)

@@ -77,6 +77,21 @@ def test_a_series_takes_the_model_fields_its_runs_data_sets(tmp_path, monkeypatc
         assert model_config(cfg, build_task(cfg)).model.vocab_size >= saved.model.vocab_size
 
 
+def test_the_table_names_the_bst_objective_its_base_changes(tmp_path, monkeypatch, capsys):
+    """A base config's pairs, max_gap or gamma reach every BST row, the one labelled "BST" too: the
+    table's text says so (it named none of them)."""
+    from bst_fast import experiments
+
+    fake_train(monkeypatch)
+    base = TrainConfig.load(TINY)
+    base.out_dir = str(tmp_path)
+    experiments.table(base)
+    assert "BST objective: the defaults (all pairs, min_gap 2, no GPT head)" in capsys.readouterr().out
+    base.pairs, base.max_gap = 0.05, 9
+    experiments.table(base)
+    assert "BST objective: pairs=0.05, max_gap=9 (the rest as the defaults)" in capsys.readouterr().out
+
+
 def test_star_refuses_a_repeated_method(tmp_path, monkeypatch, capsys):
     from bst_fast import experiments
 

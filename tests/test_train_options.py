@@ -52,6 +52,16 @@ def test_bad_objective_fields_name_the_field(tmp_path, changes, field):
         tiny(tmp_path, **changes).check()
 
 
+def test_a_star_bst_keeps_the_pairs_its_evaluation_reads(tmp_path):
+    """The evaluation decodes path node k from the pair ("=" + k, EOS), l + 1 - k apart: max_gap <= l
+    trained a BST that never saw the pairs it is scored on."""
+    l = tiny(tmp_path).star_path_len
+    with pytest.raises(ValueError, match=f"'max_gap' must be None or >= star_path_len \\+ 1 = {l + 1}"):
+        tiny(tmp_path, max_gap=l).check()
+    tiny(tmp_path, max_gap=l + 1).check()
+    tiny(tmp_path, max_gap=l, method="forward").check()  # no pairs: nothing to keep
+
+
 def test_meet_token_eos_is_the_datas_eos_and_reaches_the_loss(tmp_path):
     cfg = text(tmp_path, min_gap=1, meet_token="eos", max_gap=6)
     run = build_run(cfg.check(), "cpu")
