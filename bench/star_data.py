@@ -53,7 +53,7 @@ def main():
             big = StarGraphData(d, l, big_n, n_train=args.memory_n, n_test=10_000, seed=0)
             peak = tracemalloc.get_traced_memory()[1] / 1e9
             tracemalloc.stop()
-            set_gb = (big.train_tokens.numel() + big.test_tokens.numel()) * 8 / 1e9
+            set_gb = sum(t.numel() * t.element_size() for t in (big.train_tokens, big.test_tokens)) / 1e9
             del big
         rows.append(dict(d=d, l=l, n_nodes=big_n, row_length=data.row_length,
                          generate_per_s=gen, split_per_s=split, stream_per_s=st,
