@@ -196,11 +196,14 @@ class TrainConfig:
             bad("min_gap", ">= 1")
         if self.max_gap is not None and self.max_gap < self.min_gap:
             bad("max_gap", f"None or >= min_gap ({self.min_gap})")
+        # A star-graph BST's evaluation decodes each path node from the pair of its prefix (from "=" on)
+        # and the empty suffix (EOS): gaps l + 1 down to 2. A pair set without some of them leaves that
+        # decoding untrained.
         if self.data == "star" and self.method == "bst" and self.max_gap is not None and self.max_gap <= self.star_path_len:
-            # the evaluation decodes path node k from the pair ("=" + k, EOS), l + 1 - k apart: a pair
-            # set without them leaves the decoding untrained
             bad("max_gap", f"None or >= star_path_len + 1 = {self.star_path_len + 1} for a star-graph BST (its "
                 "evaluation reads pairs of a path prefix and the empty suffix, up to l + 1 apart)")
+        if self.data == "star" and self.method == "bst" and self.min_gap > 2:
+            bad("min_gap", "1 or 2 for a star-graph BST (its evaluation reads the last path node's pair, 2 apart)")
         if isinstance(self.meet_token, str) and self.meet_token != "eos":
             bad("meet_token", "None, 'eos' or a token id")
         if isinstance(self.meet_token, int) and self.meet_token < 0:

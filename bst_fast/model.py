@@ -302,17 +302,19 @@ TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count; 0: 
 
 
 def check_total(name: str, value):
-    """A trainer's count that replaces the batch's own as a mean's divisor (TOTALS): None or a finite
-    number > 0, never a bool (0 divided by zero, a negative count flipped the loss's sign, inf made it 0).
-    A one-element tensor (an all-reduced count) is taken too, its value checked where it is on the host
-    (a GPU's would cost a sync a step)."""
+    """A trainer's count that replaces the batch's own as a mean's divisor (TOTALS), as the divisor:
+    None or a finite number > 0, never a bool (0 divided by zero, a negative count flipped the loss's
+    sign, inf made it 0). A one-element real tensor (an all-reduced count) is taken too: on the host
+    as its number; elsewhere as a 0-d tensor out of autograd, its value unchecked (reading it would
+    cost a sync a step), so that the loss keeps its 0-d shape."""
     if torch.is_tensor(value) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
         if value.device.type != "cpu":
-            return
+            return value.detach().reshape(())
         value = value.item()
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                               or not 0 < value < float("inf")):  # nan too
         raise ValueError(f"{name} must be {TOTALS[name]}, got {short(value)}")
+    return value
 
 
 def check_prefix_start(prefix_start, B: int):
@@ -445,8 +447,8 @@ class BeliefStateTransformer(nn.Module):
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:
             raise ValueError("gamma > 0 weighs the GPT head's loss, but the model has none (ModelConfig.gpt_head)")
-        for name, total in (("pair_total", pair_total), ("token_total", token_total), ("row_total", row_total)):
-            check_total(name, total)
+        pair_total, token_total, row_total = (check_total(name, total) for name, total in (
+            ("pair_total", pair_total), ("token_total", token_total), ("row_total", row_total)))
         # lengths given on the host (the trainer's, or None, or an int) reach the loss as given: it
         # draws and lists a subsample there without reading the GPU (prepare's host_pairs), while the
         # encoders run; the encoders take them on the tokens' device
@@ -489,7 +491,7 @@ class ForwardOnly(nn.Module):
         """Losses of a batch: dict(total = gpt = the next-token loss, belief None). `belief_only`:
         the BST's loss options (BELIEF_ONLY), taken and ignored."""
         check_belief_only(self, belief_only)
-        check_total("token_total", token_total)
+        token_total = check_total("token_total", token_total)
         tokens, lengths = checked_batch(tokens, lengths, documents, self.cfg.vocab_size)
         check_prefix_start(prefix_start, tokens.shape[0])
         f = self.forward_encoder(tokens, documents=document_sides(documents)[0])
@@ -516,7 +518,7 @@ class Teacherless(ForwardOnly):
             raise ValueError("documents (packed rows) are not supported by the teacherless model: "
                              "its answer spans one row")
         check_belief_only(self, belief_only)
-        check_total("token_total", token_total)
+        token_total = check_total("token_total", token_total)
         tokens, lengths = checked_batch(tokens, lengths, None, self.cfg.vocab_size)
         check_prefix_start(prefix_start, tokens.shape[0])
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))

@@ -95,7 +95,10 @@ def test_good_totals_still_divide_the_loss():
         same = model(TOKENS, LENGTHS, gamma=0.5, pair_total=torch.tensor(2.5), token_total=torch.tensor([3]),
                      row_total=torch.tensor(4.0, dtype=torch.float64))
     assert torch.isfinite(out["total"]) and float(out["total"]) > 0
-    assert torch.allclose(same["total"], out["total"])
+    assert same["total"].shape == () and torch.allclose(same["total"], out["total"])  # 0-d, as the loss is
+    total = torch.tensor([[2.5]], requires_grad=True)
+    model(TOKENS, LENGTHS, gamma=0.5, pair_total=total)["total"].backward()
+    assert total.grad is None  # a count, not a parameter
 
 
 @pytest.mark.parametrize("cls", [ForwardOnly, Teacherless])

@@ -60,6 +60,8 @@ def test_a_star_bst_keeps_the_pairs_its_evaluation_reads(tmp_path):
         tiny(tmp_path, max_gap=l).check()
     tiny(tmp_path, max_gap=l + 1).check()
     tiny(tmp_path, max_gap=l, method="forward").check()  # no pairs: nothing to keep
+    with pytest.raises(ValueError, match="'min_gap' must be 1 or 2 for a star-graph BST"):  # the last node's pair
+        tiny(tmp_path, min_gap=3).check()
 
 
 def test_meet_token_eos_is_the_datas_eos_and_reaches_the_loss(tmp_path):
