@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_int, short
-from ._pairs import ID_DTYPES, full_lengths, id_dtype_ok
+from ._pairs import ID_DTYPES, check_rows, full_lengths, id_dtype_ok
 
 
 def _inference(fn):
@@ -426,7 +426,8 @@ def belief_states(model, tokens, lengths=None):
         raise ValueError(f"lengths must lie in [1, L={tokens.shape[1]}] (a state has read at least one token), "
                          f"got lengths[{r}] = {int(lengths[r])}")
     padding = torch.arange(tokens.shape[1], device=tokens.device)[None] >= lengths[:, None]
-    _check_ids(model, tokens=tokens[~padding])  # on any device (full_lengths reads a GPU's values lazily)
+    if tokens.device.type != "cpu":  # full_lengths checked a CPU batch's ids; a GPU's the same way (a sync: decoding)
+        check_rows(tokens, lengths, getattr(getattr(model, "cfg", None), "vocab_size", None))
     f = model.forward_encoder(tokens.masked_fill(padding, 0))  # causal: the padding's states are not read
     return f[torch.arange(len(f), device=f.device), torch.as_tensor(lengths, device=f.device) - 1]
 
