@@ -42,7 +42,7 @@ def _train_run(cfg, resume):
     return trainer.train(cfg, resume=go_on, overwrite=not go_on)
 
 
-def _check_star_data(base: TrainConfig, command: str) -> TrainConfig:
+def _series_base(base: TrainConfig, command: str) -> TrainConfig:
     """Path accuracy is a star-graph figure: on text data the table would be a column of nan. Returns
     `base` with the model fields each run's data sets (module docstring) at their defaults."""
     from ._checks import short
@@ -58,7 +58,7 @@ def _check_star_data(base: TrainConfig, command: str) -> TrainConfig:
 def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
     prints their path accuracy side by side."""
-    base = _check_star_data(base, "star")
+    base = _series_base(base, "star")
     if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
         raise ValueError(f"methods must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)
@@ -147,7 +147,7 @@ def _check_out(out: Path):
 def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
     """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
     per method; `out`: also write the table there, below `note`."""
-    base = _check_star_data(base, "table")
+    base = _series_base(base, "table")
     if out:
         _check_out(Path(out))
     rows = []  # every row's config is checked before the first one trains
