@@ -68,8 +68,6 @@ def cmd_star(args):
     from .experiments import star
 
     cfg = _load_refusing(args, ["method"], "trains each of --methods in turn (choose them with --methods)")
-    if len(set(args.methods)) != len(args.methods):
-        raise ValueError(f"--methods must not repeat a method (each trains into out_dir/<method>), got {' '.join(args.methods)}")
     star(cfg, args.methods, args.resume)
 
 

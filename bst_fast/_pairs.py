@@ -410,6 +410,11 @@ def _raise_length(lengths, bad_len, L):
     _fail(ValueError, f"lengths must lie in [0, L={L}], got lengths[{r}] = {int(lengths[r])}")
 
 
+def _raise_start(prefix_start, bad_start):
+    r = int(bad_start.nonzero()[0])
+    _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
+
+
 def _raise_token(tokens, bad_tok, vocab_size):
     r, t = (int(x) for x in bad_tok.nonzero()[0])
     _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
@@ -592,8 +597,7 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if any_bad[0]:
             _raise_length(lengths, bad_len, L)
         if any_bad[1]:
-            r = int(bad_start.nonzero()[0])
-            _fail(ValueError, f"prefix_start must be >= 0, got prefix_start[{r}] = {int(prefix_start[r])}")
+            _raise_start(prefix_start, bad_start)
         if any_bad[2]:
             _raise_token(tokens, bad_tok, vocab_size)
         for down, bad in zip(downs, any_bad[3:-1]):

@@ -50,8 +50,10 @@ def _series_base(base: TrainConfig, command: str) -> TrainConfig:
     if base.data != "star":
         raise ValueError(f"{command} compares path accuracy on star graphs: config field 'data' must be 'star', "
                          f"got {short(base.data)} (train a text model with the train command)")
+    from .tasks import DATA_SET_FIELDS
+
     fields = type(base.model).__dataclass_fields__
-    model = dataclasses.replace(base.model, **{name: fields[name].default for name in ("vocab_size", "max_len")})
+    model = dataclasses.replace(base.model, **{name: fields[name].default for name in DATA_SET_FIELDS})
     return dataclasses.replace(base, model=model)
 
 
@@ -60,7 +62,7 @@ def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     prints their path accuracy side by side."""
     base = _series_base(base, "star")
     if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
-        raise ValueError(f"methods must not repeat a method, got {list(methods)}")
+        raise ValueError(f"methods (star --methods) must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)
     for method in methods:
         cfg = copy.deepcopy(base)

@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int, short
-from ._pairs import _as_row_vector, check_documents, full_lengths, host_known, id_dtype_ok
+from ._pairs import _as_row_vector, _raise_start, check_documents, full_lengths, host_known, id_dtype_ok
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -323,8 +323,7 @@ def check_prefix_start(prefix_start, B: int):
     back, which would cost a sync a step; the tokens' are left alike, full_lengths)."""
     ps = _as_row_vector(prefix_start, "prefix_start", B, prefix_start.device if torch.is_tensor(prefix_start) else "cpu")
     if ps.device.type == "cpu" and bool((ps < 0).any()):
-        r = int((ps < 0).nonzero()[0])
-        raise ValueError(f"prefix_start must be >= 0, got prefix_start[{r}] = {int(ps[r])}")
+        _raise_start(ps, ps < 0)
 
 
 # The keywords Objective passes every model (tasks.Objective.__call__) that only the belief loss reads:
@@ -334,14 +333,19 @@ BELIEF_ONLY = ("pairs", "next_weight", "gamma", "backend", "min_gap", "max_gap",
                "generator", "pair_total", "row_total")
 
 
+def check_reduction(reduction):
+    """A model's loss is a mean (over pairs, or of rows' means): "sum" is the loss function's alone."""
+    if reduction not in ("mean", "row_mean"):
+        raise ValueError(f"reduction must be 'mean' or 'row_mean' for a model's loss, got {reduction!r}")
+
+
 def check_belief_only(model, options):
     """`options` (a next-token model's other keywords) are all BELIEF_ONLY; reduction as the BST's."""
     unknown = sorted(set(options) - set(BELIEF_ONLY))
     if unknown:
         raise TypeError(f"{type(model).__name__}.forward got an unexpected keyword argument {unknown[0]!r} (it "
                         f"takes lengths, prefix_start, token_total and documents, and ignores {', '.join(BELIEF_ONLY)})")
-    if options.get("reduction", "mean") not in ("mean", "row_mean"):
-        raise ValueError(f"reduction must be 'mean' or 'row_mean' for a model's loss, got {options['reduction']!r}")
+    check_reduction(options.get("reduction", "mean"))
 
 
 def _init_weights(module):
@@ -441,8 +445,7 @@ class BeliefStateTransformer(nn.Module):
         belief_state_loss's; with `documents` (packed rows) the encoders read each document alone.
         pair_total / token_total / row_total replace the batch's own pair, token and row counts as
         the mean's divisor (set by the trainer, so that ranks and micro-batches average exactly)."""
-        if reduction not in ("mean", "row_mean"):
-            raise ValueError(f"reduction must be 'mean' or 'row_mean' for a model's loss, got {reduction!r}")
+        check_reduction(reduction)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:

@@ -390,11 +390,15 @@ def build_task(cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int =
     return StarTask(cfg) if cfg.data == "star" else TextTask(cfg, resume_from, rank)
 
 
+# the model fields a run's data sets (model_config); a config leaves them at their defaults
+DATA_SET_FIELDS = ("vocab_size", "max_len")
+
+
 def model_config(cfg: TrainConfig, task: Task) -> TrainConfig:
     """A copy of `cfg` whose model fields the data decides are set: the vocabulary (teacherless: one
     extra id, the dummy answer token), the row length, and the plain next-token head when gamma > 0.
     `cfg` itself is left as it was checked."""
-    decided = {"vocab_size": task.vocab_size + (cfg.method == "teacherless"), "max_len": task.max_len}
+    decided = dict(zip(DATA_SET_FIELDS, (task.vocab_size + (cfg.method == "teacherless"), task.max_len)))
     for name, value in decided.items():
         # a value the user set that the data overrides would be dropped silently (a saved config's,
         # equal to the data's, passes)

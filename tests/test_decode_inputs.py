@@ -98,10 +98,10 @@ def test_star_refuses_a_repeated_method(tmp_path, monkeypatch, capsys):
     seen = fake_train(monkeypatch)
     cfg = TrainConfig.load(TINY)
     cfg.out_dir = str(tmp_path)
-    with pytest.raises(ValueError, match="methods must not repeat"):
+    with pytest.raises(ValueError, match=r"methods \(star --methods\) must not repeat"):
         experiments.star(cfg, methods=("bst", "bst"))
     assert main(["star", "--config", str(TINY), "--set", f"out_dir={tmp_path}", "--methods", "bst", "bst"]) == 2
-    assert "--methods must not repeat" in capsys.readouterr().err
+    assert "methods (star --methods) must not repeat" in capsys.readouterr().err
     assert not seen
 
 
