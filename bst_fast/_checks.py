@@ -1,6 +1,7 @@
 """Argument checks shared by the decoders and the data: one wording for one kind of error."""
 from __future__ import annotations
 
+import numbers
 import operator
 
 
@@ -14,6 +15,16 @@ def check_int(name: str, value, lowest: int) -> int:
     if v is None or v < lowest:
         raise ValueError(f"{name} must be an int >= {lowest}, got {short(value)}")
     return v
+
+
+def plain_number(value):
+    """A numpy scalar as the Python int or float it holds (a config read through numpy passes
+    np.int64 and np.float32); anything else as it is, for the caller's checks (a bool stays one)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, int):
+        return operator.index(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        return float(value)
+    return value
 
 
 def short(value, limit: int = 200) -> str:

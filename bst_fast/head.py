@@ -144,6 +144,20 @@ def has_backward_hooks(module: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
 
 
+def _methods_changed(head: nn.Module, cls: type, names) -> Optional[str]:
+    """Which of `cls`'s methods `names` a subclass overrides or the object replaces, or None."""
+    for name in names:
+        if getattr(type(head), name) is not getattr(cls, name):
+            return f"{type(head).__name__} overrides {cls.__name__}.{name}"
+        if name in head.__dict__:  # set on the object (as accelerate's hooks and some adapters do)
+            return f"its {name} is replaced on the object"
+    return None
+
+
+def _forward_hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def text_head_changes(head: TextHead) -> Optional[str]:
     """What makes a TextHead compute other than its layers' weights and biases say, or None: a
     subclass's own forward (or the methods the split uses), a layer that is not a plain nn.Linear
@@ -151,11 +165,9 @@ def text_head_changes(head: TextHead) -> Optional[str]:
     pair_parts read the weights and biases alone, so such a head goes through the head as a whole.
     Global module hooks (register_module_forward_hook) are not looked at: profilers and FLOP counters
     register them to observe every module, and would send every head down the slow path."""
-    for name in ("forward", "pair_parts", "first_layer_states", "_after_first_layer"):
-        if getattr(type(head), name) is not getattr(TextHead, name):
-            return f"{type(head).__name__} overrides TextHead.{name}"
-        if name in head.__dict__:  # set on the object (as accelerate's hooks and some adapters do)
-            return f"its {name} is replaced on the object"
+    why = _methods_changed(head, TextHead, ("forward", "pair_parts", "first_layer_states", "_after_first_layer"))
+    if why:
+        return why
     for k, layer in enumerate(head.layers):
         if "forward" in layer.__dict__:
             return f"layers[{k}].forward is replaced on the object"
@@ -165,7 +177,7 @@ def text_head_changes(head: TextHead) -> Optional[str]:
             return f"layers[{k}] has no bias"
     if head.layers[-1].out_features != 2 * head.vocab_size:
         return f"layers[-1] gives {head.layers[-1].out_features} logits, not 2 * vocab_size = {2 * head.vocab_size}"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
+    if _forward_hooked(*head.modules()):
         return "a forward hook is registered on it"
     if has_backward_hooks(head):
         return "a backward hook is registered on it"
@@ -419,3 +431,36 @@ class ResidualSwiGLUHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, bias={self.bias}"
+
+
+def swiglu_head_changes(head: ResidualSwiGLUHead) -> Optional[str]:
+    """What makes a ResidualSwiGLUHead compute other than its pair_parts says, or None. pair_parts
+    reads gate_up's weight and bias and never calls the head's forward, mlp[0] or gate_up; Down,
+    the norm and lm_head it runs as modules (their hooks and wrappers apply). So a subclass's forward,
+    an mlp[0] or gate_up that is not the plain module (an adapter, a LoRA wrapper) or a forward hook
+    on the head, mlp[0] or gate_up makes the head go through whole (text_head_changes says why
+    global hooks are not looked at)."""
+    why = _methods_changed(head, ResidualSwiGLUHead, ("forward", "pair_parts", "_after_swiglu"))
+    if why:
+        return why
+    act = head.mlp[0]
+    if type(act) is not _SwiGLU:
+        return f"mlp[0] is a {type(act).__name__}, not the head's SwiGLU"
+    if type(act.gate_up) is not nn.Linear:
+        return f"mlp[0].gate_up is a {type(act.gate_up).__name__}, not an nn.Linear"
+    for name, module in (("mlp[0]", act), ("mlp[0].gate_up", act.gate_up)):
+        if "forward" in module.__dict__:
+            return f"{name}.forward is replaced on the object"
+    if _forward_hooked(head, act, act.gate_up):
+        return "a forward hook is registered on it, its mlp[0] or mlp[0].gate_up"
+    return None
+
+
+def split_changes(head: nn.Module) -> Optional[str]:
+    """Why a bst_fast head's own pair_parts no longer says what the head computes, or None (also for
+    any other head: a pair_parts of its own is its author's to keep right)."""
+    if isinstance(head, TextHead) and type(head).pair_parts is TextHead.pair_parts:
+        return text_head_changes(head)
+    if isinstance(head, ResidualSwiGLUHead) and type(head).pair_parts is ResidualSwiGLUHead.pair_parts:
+        return swiglu_head_changes(head)
+    return None

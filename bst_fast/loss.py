@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from . import _pairs
+from ._checks import plain_number
 from ._pairs import separated_documents  # noqa: F401  (public: the official packed layout's documents)
 from .backends import NAMES, pick, runtime
 from .backends.runtime import LossOptions
@@ -99,6 +100,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
     """
     _pairs.check_f(f)  # the head's checks read f's width and dtype
+    lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight = map(
+        plain_number, (lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight))
     _check_head(head, f)
     chosen = pick(backend, head, f)
     V = _vocab_size(head, f.shape[-1], f.device, f.dtype)

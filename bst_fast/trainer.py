@@ -499,12 +499,13 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
         if run.bar is not None:
             run.bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k != "lr"}, refresh=False)
             run.bar.update(run.n_timed)
-        run.t0, run.tokens_seen, run.pairs_seen, run.n_timed = time.perf_counter(), 0, 0, 0
         if logged:
             from_rank0(run.world, run.rank, lambda: run.metrics.log(done, row))
             run.n_logged += 1
             run.n_sum = 0
             run.loss_sum.zero_()
+        # the next interval times its own steps: not this evaluation, log write or checkpoint
+        run.t0, run.tokens_seen, run.pairs_seen, run.n_timed = time.perf_counter(), 0, 0, 0
     if ckpt_now or done == end:
         open_log = None
         if stopping:  # every rank's share of the open interval's loss
@@ -512,8 +513,10 @@ def _close_interval(run: Run, done: int, end: int, lr: float):
             if run.world > 1:
                 dist.all_gather(sums, run.loss_sum)
             open_log = {"loss_sum": [float(s) for s in sums], "n": run.n_sum}
+        saving = time.perf_counter()
         run.last_good = from_rank0(run.world, run.rank,
                                    lambda: _save(run, done, keep=cfg.keep_checkpoints, log=open_log))
+        run.t0 += time.perf_counter() - saving  # a checkpoint's time is no step's
 
 
 def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int] = None,

@@ -3,10 +3,11 @@
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from bst_fast import BeliefStateLoss, belief_state_loss
+from bst_fast import BeliefStateLoss, TextHead, belief_state_loss
 from bst_fast import _pairs
 
 from _helpers import (SwiGLUHead, check_against_reference, errors, loss_and_grads, make_head,
@@ -622,3 +623,24 @@ def test_subsampled_estimate_is_unbiased(one_thread):
         freq = hits[r][mask[r]] / N
         sd = math.sqrt(p * (1 - p) / N)
         assert (freq - p).abs().max() <= 5 * sd + 1e-12, (r, freq, p)
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+    """A config read through numpy passes np.int64 / np.float32: they were refused ("must be an int"),
+    though the decoders and the data take them. Same loss as the Python numbers; a numpy bool is still
+    no int."""
+    torch.manual_seed(8)
+    f, b = torch.randn(2, 9, 4, dtype=torch.float64), torch.randn(2, 9, 4, dtype=torch.float64)
+    tokens = torch.randint(0, 5, (2, 9))
+    head = TextHead(4, 5, hidden=6).double().requires_grad_(False)
+    plain = dict(lengths=7, prefix_start=1, min_gap=1, max_gap=5, meet_token=3, pairs=4, next_weight=0.25)
+    as_numpy = dict(lengths=np.int64(7), prefix_start=np.int32(1), min_gap=np.int64(1), max_gap=np.uint8(5),
+                    meet_token=np.int16(3), pairs=np.int64(4), next_weight=np.float64(0.25))
+    want = belief_state_loss(f, b, tokens, head, generator=torch.Generator().manual_seed(1), **plain)
+    got = belief_state_loss(f, b, tokens, head, generator=torch.Generator().manual_seed(1), **as_numpy)
+    assert float(got) == float(want)
+    frac = belief_state_loss(f, b, tokens, head, pairs=np.float32(0.5), generator=torch.Generator().manual_seed(1))
+    assert float(frac) == float(belief_state_loss(f, b, tokens, head, pairs=float(np.float32(0.5)),
+                                                  generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="min_gap must be an int"):
+        belief_state_loss(f, b, tokens, head, min_gap=np.bool_(True))

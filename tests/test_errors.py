@@ -137,6 +137,9 @@ BAD = {
     # torch compares no uint16/32/64 tensor: a NotImplementedError from inside a check before
     "tokens_uint16": (lambda x: dict(tokens=x[2].to(torch.uint16)), ValueError, r"tokens must be an integer tensor \(int8, .*got torch.uint16"),
     "tokens_uint64": (lambda x: dict(tokens=x[2].to(torch.uint64)), ValueError, r"tokens must be an integer tensor .*got torch.uint64"),
+    "documents_list_of_lists": (lambda x: dict(documents=[[0] * x[2].shape[1]] * 2), ValueError,
+                                r"documents must be a \(B, L\) tensor of ids or a \(prefix_ids, suffix_ids\) pair, "
+                                r"got a list of 2 that are not all tensors"),
     "documents_uint32": (lambda x: dict(documents=torch.zeros(x[2].shape, dtype=torch.uint32)), ValueError,
                          r"documents must be a \(B, L\) integer tensor .*got torch.uint32"),
     "prefix_start_int_beyond_int64": (lambda x: dict(prefix_start=2**64), ValueError, "prefix_start must fit in int64"),

@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import math
 import os
+import re
 import types
 
 import pytest
@@ -1566,6 +1567,58 @@ def test_a_text_head_computing_other_than_its_weights_runs_whole(kind, why):
     with pytest.raises(ValueError, match=f"backend='cpp' computes a TextHead.*{why}.*backend='torch'"):
         belief_state_loss(f.float(), b.float(), tokens, head, backend="cpp")
     assert why.replace("\\", "") in fused_problem("triton", head, torch.float32)
+
+
+class _ScaledSwiGLU(ResidualSwiGLUHead):
+    def forward(self, x):
+        return super().forward(2.0 * x)
+
+
+def _changed_swiglu_head(kind):
+    torch.manual_seed(6)
+    if kind == "subclass":
+        h = _ScaledSwiGLU(3, 5, hidden=4, bias=True)
+    else:
+        h = ResidualSwiGLUHead(3, 5, hidden=4, bias=True)
+    for p in h.parameters():  # away from the zero biases and unit norm of the initialisation
+        nn.init.normal_(p, std=0.5)
+    if kind == "lora":
+        h.mlp[0].gate_up = _LoRALinear(6, 8)
+    elif kind == "gate_up hook":
+        h.mlp[0].gate_up.register_forward_hook(lambda module, inputs, out: 3.0 * out)
+    elif kind == "head hook":
+        h.register_forward_pre_hook(lambda module, inputs: (0.5 * inputs[0],))
+    elif kind == "object forward":
+        h.mlp[0].forward = types.MethodType(lambda self, x: 3.0 * swiglu(*self.gate_up(x).chunk(2, dim=-1)), h.mlp[0])
+    return h
+
+
+@pytest.mark.parametrize("kind,why", [("subclass", "overrides ResidualSwiGLUHead.forward"),
+                                      ("lora", "mlp\\[0\\].gate_up is a _LoRALinear"),
+                                      ("gate_up hook", "forward hook"), ("head hook", "forward hook"),
+                                      ("object forward", "mlp\\[0\\].forward is replaced on the object")])
+def test_a_swiglu_head_computing_other_than_its_weights_runs_whole(kind, why):
+    """The torch backend's split of a ResidualSwiGLUHead reads gate_up's weights and calls neither the
+    head's forward nor mlp[0]: a subclass's forward, an adapter on gate_up or a forward hook there or on
+    the head was skipped silently (the loss of the plain head, no gradient for the adapter). auto and
+    torch now run such a head whole, and agree with the reference."""
+    from bst_fast.head import swiglu_head_changes
+
+    head = _changed_swiglu_head(kind)
+    assert swiglu_head_changes(_changed_swiglu_head("plain")) is None
+    assert re.search(why, swiglu_head_changes(head))
+    torch.manual_seed(7)
+    f, b = torch.randn(2, 7, 3, dtype=torch.float64), torch.randn(2, 7, 3, dtype=torch.float64)
+    tokens = torch.randint(0, 5, (2, 7))
+    want, want_grads = loss_and_grads(f, b, tokens, copy.deepcopy(head).double(), 1.0, backend="reference")
+    plain, _ = loss_and_grads(f, b, tokens, _changed_swiglu_head("plain").double(), 1.0, backend="reference")
+    assert abs(float(plain) - float(want)) > 1e-3  # the change changes the loss
+    for backend in ("auto", "torch"):
+        got, grads = loss_and_grads(f, b, tokens, copy.deepcopy(head).double(), 1.0, backend=backend)
+        assert abs(float(got) - float(want)) < 1e-10 * abs(float(want)), (backend, got, want)
+        assert set(grads) == set(want_grads) and len(grads) == 2 + len(list(head.parameters()))
+        for name, w in want_grads.items():
+            assert grads[name] is not None and torch.allclose(grads[name], w, rtol=1e-9, atol=1e-12), (backend, name)
 
 
 def test_a_head_whose_width_is_not_twice_its_vocabulary_is_refused_by_every_backend():

@@ -585,3 +585,32 @@ def test_star_resume_continues_an_interrupted_job(tmp_path):
     assert main(["star", "--config", str(TINY), "--set", f"out_dir={tmp_path}", "--resume"]) == 0
     assert (tmp_path / "bst" / "metrics.csv").read_text() == before  # not retrained
     assert (tmp_path / "forward" / "checkpoints" / "latest").exists()
+
+
+def test_a_checkpoint_or_a_log_write_is_timed_in_no_interval(tmp_path, monkeypatch):
+    """The rates of an interval time its own steps. The timer was restarted before the log write and
+    the checkpoint, whose time went to the next interval: after every checkpoint a row was about 3x
+    slower. Here the trainer's clock jumps 100 s in every checkpoint and every log write; a step of
+    this model takes well under a second, however loaded the machine."""
+    import types
+
+    import bst_fast.trainer as trainer
+    from bst_fast.run_folder import MetricsLog
+
+    jumped = [0.0]
+    real = trainer.time.perf_counter
+
+    def jumping(call):
+        def wrapped(*a, **k):
+            jumped[0] += 100.0
+            return call(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: real() + jumped[0]))
+    monkeypatch.setattr(trainer, "_save", jumping(trainer._save))
+    monkeypatch.setattr(MetricsLog, "log", jumping(MetricsLog.log))
+    train(tiny(tmp_path, steps=7, log_every=1, eval_every=100, ckpt_every=2))
+    assert jumped[0] == 100.0 * (7 + 4)  # 7 rows, checkpoints after steps 2, 4, 6 and 7
+    rows = [line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
+    rates = [float(value) for _, key, value in rows if key == "steps_per_s"]  # tokens/pairs: the same dt
+    assert len(rates) == 7 and min(rates) > 1 / 50, rates  # a jump in an interval makes it 100 s a step

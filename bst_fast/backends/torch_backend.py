@@ -9,7 +9,8 @@ ib = row * L + j, built once without a loop over rows), cut into chunks of `chun
 host synchronisation per chunk. The head's work splits into parts computed once per position and a
 per-pair tail (`pair_parts`, see head.py): TextHead splits its first layer, ResidualSwiGLUHead its
 gate/up projection (a swiglu part); any other head gets [f ; 0] and [0 ; b], whose pair sum is
-[f_i ; b_j]. Per chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
+[f_i ; b_j], and so does one of ours changed so that its split no longer says what it computes
+(head.split_changes: a subclass's forward, an adapter, a forward hook). Per chunk of n pairs, for each part (P, Q) of width w, and with es the logits' bytes:
 
     x      = P[ia] + Q[ib]                (n, w): summed in float32 (float64), rounded once to the
              part's dtype (_PairSum); for a swiglu part [gate | up], x = silu(gate) * up (n, w/2)
@@ -70,7 +71,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from .._pairs import Pairs, pair_list
-from ..head import PairParts, TextHead, concat_parts, has_backward_hooks, swiglu, text_head_changes
+from ..head import PairParts, concat_parts, has_backward_hooks, split_changes, swiglu
 from . import pair_loss_op, runtime
 from .pair_loss_op import no_double_backward
 from .runtime import LossOptions, Switches, on_device
@@ -534,8 +535,8 @@ def _concat_parts(head):
 def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     """sum over pairs of weight * (lambda CE_next + (1 - lambda) CE_prev), a chunk of pairs at a time."""
     split = getattr(head, "pair_parts", None)
-    if isinstance(head, TextHead) and type(head).pair_parts is TextHead.pair_parts and text_head_changes(head):
-        split = None  # TextHead's split reads the weights alone, which no longer say what this head computes
+    if split_changes(head):
+        split = None  # our heads' splits read weights alone, which no longer say what this head computes
     split = split or _concat_parts(head)
     call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled())
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
