@@ -11,17 +11,19 @@ error, never a silently wrong run.
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
 from ._checks import short
-from .config import TrainConfig
+from .config import SAME_TRAJECTORY_CHANGES, TrainConfig
 from .files import atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
@@ -164,17 +166,34 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     return final
 
 
-def best_so_far(out_dir, metric: str, step: int) -> Optional[float]:
-    """The figure of out_dir's best checkpoint for `metric`, when it was saved at or before `step`
-    (a later one belongs to a trajectory that a resume from `step` replaces)."""
-    path = Path(out_dir) / "checkpoints" / BEST / BEST_JSON
+def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig) -> Optional[float]:
+    """The figure of out_dir's best checkpoint for `metric`, for a run (config `cfg`) resumed from
+    `step`, or None. A best saved after `step` counts when its config is cfg but for changes that
+    leave the trajectory as it was (SAME_TRAJECTORY_CHANGES: the resume retraces the steps that made
+    it; dropping it let a worse figure replace it); otherwise it belongs to a trajectory the resume
+    replaces. A best.json that fails its checksum or holds no finite figure is named on stderr and
+    counts as none (a new best replaces it)."""
+    best = Path(out_dir) / "checkpoints" / BEST
+    if not (best / BEST_JSON).is_file():
+        return None
     try:
-        saved = json.loads(path.read_text())
-        if saved["metric"] == metric and int(saved["step"]) <= step:
-            return float(saved["value"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+        verify(best, only=BEST_JSON)
+        saved = json.loads((best / BEST_JSON).read_text())
+        value, saved_step = float(saved["value"]), int(saved["step"])
+        if not math.isfinite(value):
+            raise ValueError(f"its figure is {value}")
+        if saved["metric"] != metric:
+            return None
+        if saved_step > step:
+            verify(best, only=CONFIG)
+            then, now = json.loads((best / CONFIG).read_text()), cfg.to_dict()
+            if any(then.get(k) != v for k, v in now.items() if k not in SAME_TRAJECTORY_CHANGES):
+                return None
+        return value
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"warning: the best checkpoint {best} has a damaged {BEST_JSON} or {CONFIG} ({short(str(e), 300)}); "
+              f"the next evaluation's checkpoint replaces it", file=sys.stderr, flush=True)
+        return None
 
 
 def _out_of_room(root: Path, tmp: Path) -> bool:
@@ -251,12 +270,16 @@ def remove_stale(root: Path):
 
 
 def latest_checkpoint(out_dir) -> Optional[Path]:
-    """The checkpoint out_dir/checkpoints/latest names, None when there is no `latest`. A `latest`
-    that is not a file, names anything but a step-N folder of checkpoints/, or names a missing one
-    is a ValueError."""
+    """The checkpoint out_dir/checkpoints/latest names. A `latest` that is not a file, names anything
+    but a step-N folder of checkpoints/, or names a missing one is a ValueError. Without a `latest`:
+    the newest step-N folder with its checksums (a save killed between putting its folder in place
+    and writing the run's first `latest` left one; resume refused it as "no checkpoint" while a new
+    start was refused as a run to resume), else None."""
     latest = Path(out_dir) / "checkpoints" / "latest"
     if not latest.exists() and not latest.is_symlink():
-        return None
+        found = [p for p in latest.parent.glob("step-*") if checkpoint_step(p) is not None and p.is_dir()
+                 and not p.is_symlink() and (p / CHECKSUMS).is_file()] if latest.parent.is_dir() else []
+        return max(found, key=checkpoint_step, default=None)
     try:
         name = latest.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:

@@ -380,6 +380,10 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
 RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
                      "progress", "device", "compile", "out_dir", "backend")
+# Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
+# randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.
+SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every", "progress",
+                           "out_dir")
 
 
 # A config is a handful of fields: a few aliases are a convenience, thousands are a YAML bomb (nested

@@ -36,7 +36,7 @@ from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, la
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import (RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
+from .tasks import (CORPUS, RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
                     rank_failure, sum_over_ranks)
 
 
@@ -274,8 +274,9 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     `train` steps through (and bench/paper_speed.py times with `train_step`). `resume_from`: the
     checkpoint a resumed run continues from, checked against `cfg` (its weights are not loaded)."""
     torch.manual_seed(cfg.seed)
-    if resume_from is not None and (Path(resume_from) / TOKENIZER).is_file():
-        verify(resume_from, only=TOKENIZER)  # before the task reads it: damage is named as such, not as a bad tokenizer
+    for name in (TOKENIZER, CORPUS) if resume_from is not None else ():
+        if (Path(resume_from) / name).is_file():  # before the task reads it: damage is named as such, not as
+            verify(resume_from, only=name)        # a bad tokenizer or another corpus
     task = build_task(cfg, resume_from, rank)
     cfg = model_config(cfg, task)
     if resume_from is not None:
@@ -425,7 +426,7 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
 
         run.bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
     run.last_good = from_rank0(world, rank, lambda: latest_checkpoint(cfg.out_dir))  # named in every rank's faults
-    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start) if cfg.keep_best else None
+    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start, cfg) if cfg.keep_best else None
     # An interval a stop_at left open comes back from the checkpoint, so the row that closes it is
     # the uninterrupted run's.
     run.loss_sum, open_log = torch.zeros((), device=device), state.get("log")

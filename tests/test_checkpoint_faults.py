@@ -5,6 +5,7 @@ non-finite weights at a best save stop the run as at any save, a failed best swa
 best back, and a checkpoint in place whose folder fails to sync is not called the previous one."""
 import errno
 import os
+import re
 import json
 import shutil
 from pathlib import Path
@@ -165,14 +166,97 @@ def test_a_checkpoint_in_place_whose_folder_fails_to_sync_is_named_as_such(tmp_p
     assert latest_checkpoint(d).name == "step-00000006"
 
 
-def test_a_damaged_tokenizer_in_a_checkpoint_is_named_corrupt(tmp_path):
-    """A text run's resume read the checkpoint's tokenizer.json before the checksums: a damaged one
-    was reported as a bad tokenizer file, not as a corrupt checkpoint."""
+@pytest.mark.parametrize("name, damage", [("tokenizer.json", lambda t: t[:-50]),
+                                          ("data.json", lambda t: t.replace('"documents": 40', '"documents": 30'))])
+def test_a_damaged_task_file_in_a_checkpoint_is_named_corrupt(tmp_path, name, damage):
+    """A text run's resume read the checkpoint's tokenizer.json and data.json before the checksums:
+    a damaged one was reported as a bad tokenizer file, or as another corpus ("the corpus ... is not
+    the one this run was trained on"), not as a corrupt checkpoint."""
     (tmp_path / "c.txt").write_text("\n\n".join(f"the cat {k} sat on the mat and ran" for k in range(40)))
     d = tmp_path / "t"
     cfg = tiny(d, data=str(tmp_path / "c.txt"), text_vocab=270, max_len=16)
     train(cfg, stop_at=2)
-    tok = latest_checkpoint(d) / "tokenizer.json"
-    tok.write_text(tok.read_text()[:-50])
-    with pytest.raises(ValueError, match=r"step-00000002 is corrupt: tokenizer.json does not match its sha256"):
+    file = latest_checkpoint(d) / name
+    damaged = damage(file.read_text())
+    assert damaged != file.read_text()
+    file.write_text(damaged)
+    with pytest.raises(ValueError, match=rf"step-00000002 is corrupt: {name} does not match its sha256"):
         train(cfg, resume=True)
+
+
+class _Killed(BaseException):
+    pass
+
+
+def _scripted_accuracy(monkeypatch, figures, crash_at=None):
+    """Evaluations score figures[step] (0 elsewhere); with crash_at, the run dies right after that
+    step, before its row, evaluation or checkpoint (a kill)."""
+    from bst_fast import tasks, trainer
+
+    now = {"step": 0}
+    close = getattr(trainer._close_interval, "__wrapped__", trainer._close_interval)  # not an earlier script
+
+    def closing(run, done, end, lr):
+        now["step"] = done
+        if done == crash_at:
+            raise _Killed
+        return close(run, done, end, lr)
+
+    closing.__wrapped__ = close
+    monkeypatch.setattr(trainer, "_close_interval", closing)
+    monkeypatch.setattr(tasks.StarTask, "evaluate", lambda self, *a, **k: {"path_accuracy": figures.get(now["step"], 0.0)})
+
+
+@pytest.mark.parametrize("change, kept", [({"eval_every": 3}, True), ({"steps": 14}, False)])
+def test_a_best_saved_after_the_resumed_step_is_kept_on_the_same_trajectory(tmp_path, monkeypatch, change, kept):
+    """A run evaluated 0.9 at step 8 (its best), was killed at step 9 and resumed from step 6. A
+    best saved after the resumed step was always dropped, so the first evaluation after the resume
+    (0.2 at step 9) replaced the 0.9 of this very trajectory. It is kept now when the resumed run
+    retraces it (a changed eval_every), and still dropped when a change (steps) makes another."""
+    d = tmp_path / "run"
+    opts = dict(steps=12, ckpt_every=6, eval_every=2, keep_best="path_accuracy")
+    figures = {2: 0.5, 8: 0.9, 9: 0.2, 12: 0.3, 14: 0.3}
+    _scripted_accuracy(monkeypatch, figures, crash_at=9)
+    with pytest.raises(_Killed):
+        train(tiny(d, **opts))
+    best = d / "checkpoints" / BEST / BEST_JSON
+    assert json.loads(best.read_text())["step"] == 8 and latest_checkpoint(d).name == "step-00000006"
+    # step 8 scores 0.1 if evaluated again: only a dropped best lets it (and then 0.3) replace the 0.9
+    _scripted_accuracy(monkeypatch, {**figures, 8: 0.1, 10: 0.1})
+    train(tiny(d, **{**opts, **change}), resume=True)
+    assert json.loads(best.read_text())["value"] == (0.9 if kept else 0.3)
+
+
+def test_a_damaged_best_json_is_named_and_replaced(tmp_path, monkeypatch, capfd):
+    """best.json was read without its checksum: a one-bit flip ("value": 0.0 -> 8.0) became a best
+    no evaluation could beat, silently. It is named on stderr and the next evaluation replaces it."""
+    d = tmp_path / "run"
+    opts = dict(steps=8, ckpt_every=2, eval_every=2, keep_best="path_accuracy")
+    _scripted_accuracy(monkeypatch, {2: 0.25, 4: 0.125, 6: 0.0625, 8: 0.03125})
+    train(tiny(d, **opts), stop_at=4)
+    best = d / "checkpoints" / BEST / BEST_JSON
+    assert json.loads(best.read_text())["value"] == 0.25
+    best.write_text(best.read_text().replace('"value": 0.25', '"value": 8.25'))
+    capfd.readouterr()
+    train(tiny(d, **opts), resume=True)
+    assert re.search(r"best checkpoint .* damaged best\.json .*checksums\.json", capfd.readouterr().err)
+    saved = json.loads(best.read_text())
+    assert (saved["step"], saved["value"]) == (6, 0.0625)
+
+
+def test_a_first_checkpoint_without_latest_is_resumed(tmp_path):
+    """A kill between the first checkpoint's rename into place and the first write of `latest` left
+    a complete step-N folder that --resume called "no checkpoint" while a plain start called the
+    folder a run to resume. The newest complete step-N folder is the latest one now."""
+    d = tmp_path / "run"
+    train(tiny(d), stop_at=3)
+    (d / "checkpoints" / "latest").unlink()
+    (d / "checkpoints" / "step-00000009").mkdir()  # no checksums.json: never a complete checkpoint
+    assert latest_checkpoint(d) == d / "checkpoints" / "step-00000003"
+    shutil.rmtree(d / "checkpoints" / "step-00000009")
+    train(tiny(d), resume=True)
+    whole = tmp_path / "whole"
+    train(tiny(whole))
+    got, want = (latest_checkpoint(p) for p in (d, whole))
+    assert got.name == want.name == "step-00000006"
+    assert sha256(got / "model.safetensors") == sha256(want / "model.safetensors")  # resumed bitwise
