@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ._checks import short
+from .backends.runtime import check_environment
 from .config import apply_sets, bundled_configs
 
 CONFIGS = bundled_configs()
@@ -304,7 +305,8 @@ def main(argv=None):
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
     p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
-    p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"), help=CONFIG_HELP)
+    p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"),
+                   help=CONFIG_HELP + f" (default {CONFIGS / 'star_cpu.yaml'})")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help=_RESUME_EACH)
     p.add_argument("--out", help="also write the table to this file")
@@ -349,6 +351,7 @@ def main(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     try:
+        check_environment()
         {"train": cmd_train, "star": cmd_star, "table": cmd_table, "generate": cmd_generate,
          "probe": cmd_probe, "tokenize": cmd_tokenize}[args.command](args)
     except (ValueError, FileNotFoundError) as e:  # bad input: a config, an argument, a folder
@@ -357,7 +360,7 @@ def main(argv=None):
     except (OSError, RuntimeError, MemoryError, TypeError, KeyError, IndexError, ArithmeticError) as e:
         # a fault of the machine or the run (a full disk, a read-only folder, a size that does not fit,
         # a non-finite loss): one line, and the traceback only when asked for
-        if os.environ.get("BST_FAST_TRACEBACK"):
+        if os.environ.get("BST_FAST_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1

@@ -99,10 +99,10 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     compile: bool = False  # torch.compile the encoders
     seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
-    out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard
-    eval_every: int = 250  # steps between evaluations (and at the end)
+    out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard (the default for text runs too: set it)
+    eval_every: int = 250  # steps between evaluations (and at the end); 0: only at the end
     ckpt_every: int = 500  # steps between checkpoints (and at the end); 0: only at the end
-    keep_checkpoints: int = 2  # newest checkpoints kept
+    keep_checkpoints: int = 2  # newest checkpoints kept (0: all); a step-N folder is the run's, deleted whole
     keep_best: str = ""  # also keep the best checkpoint by this evaluation figure: "held_out_loss" or "path_accuracy"
     log_every: int = 10  # steps between progress-bar / CSV updates
     progress: bool = True  # tqdm progress bar

@@ -99,6 +99,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     Returns:
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
     """
+    runtime.check_environment()
     _pairs.check_f(f)  # the head's checks read f's width and dtype
     lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight = map(
         plain_number, (lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight))

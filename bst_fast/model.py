@@ -42,7 +42,7 @@ class ModelConfig:
     head_layers: int = 2  # TextHead Linear layers
     head_activation: str = "gelu"  # TextHead activation
     head_tie_embedding: bool = False  # swiglu: its lm_head shares the forward encoder's token embedding
-    gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST")
+    gpt_head: bool = False  # add the plain next-token head on f (the paper's "improved BST"); the trainer sets it from gamma > 0
     backward_encoder: bool = True  # False: the "w/o backward" ablation, b is one learned vector for every suffix
     # packed rows' block-diagonal attention (docs/contract.md §10): "sdpa", a dense (B, T, T) mask, or
     # "flex", torch's flex_attention with a block mask (compiled; skips the blocks no document spans);

@@ -31,6 +31,7 @@ from torch.profiler import record_function
 
 from ._checks import short
 from ._pairs import to_device
+from .backends import runtime
 from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
                          verify)
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
@@ -381,6 +382,7 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     Every check comes first (config, folder, data, model, the backend and a compile on the first
     batch); only then is the run folder claimed, cleaned and written. An existing folder's lock is
     taken before anything else, so that a folder in use stops this run before it reads a checkpoint."""
+    runtime.check_environment()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _device(cfg, world)
     rank = dist.get_rank() if world > 1 else 0
@@ -389,6 +391,9 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     for name, flag in (("resume", resume), ("overwrite", overwrite)):
         if not isinstance(flag, bool):  # resume="false" is truthy: it resumed
             raise TypeError(f"{name} must be True or False, got {short(flag)}")
+    if resume and overwrite:  # the folder would decide which one wins: say which is meant
+        raise ValueError("resume (--resume) continues the run in out_dir and overwrite (--overwrite) starts it over: "
+                         "give one of them")
     folder = RunFolder(cfg.out_dir)
     try:
         setup = _prepare(cfg, folder, resume, stop_at, overwrite, device, world, rank)

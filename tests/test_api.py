@@ -189,6 +189,42 @@ def test_cli_set_follows_the_same_rules(tmp_path):
     assert "'stpes' is unknown" in run.stderr and "did you mean 'steps'" in run.stderr and "'batch_size'" in run.stderr
 
 
+def test_a_bad_switch_variable_is_one_error_line_and_the_traceback_flag_reads_its_value(tmp_path):
+    """A bad BST_FAST_* switch failed bst_fast's import: a traceback and exit 1 from the CLI, where the
+    README promises one line `error: ...` and exit 2 for bad input. It is now reported when used (the
+    CLI, train, belief_state_loss). BST_FAST_TRACEBACK=0 had turned tracebacks on (any value did)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    bad = {**env, "BST_FAST_FUSED_CE": "yes"}
+    run = subprocess.run([sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=tmp_path, env=bad)
+    assert run.returncode == 2 and run.stderr.strip() == "error: BST_FAST_FUSED_CE must be 0 or 1, got 'yes'", run.stderr
+    code = ("import torch, bst_fast, pytest\n"
+            "with pytest.raises(ValueError, match='BST_FAST_FUSED_CE must be 0 or 1'):\n"
+            "    bst_fast.belief_state_loss(torch.randn(1, 5, 3), torch.randn(1, 5, 3), torch.zeros(1, 5, dtype=torch.long),\n"
+            "                               bst_fast.TextHead(3, 4, hidden=4))\n"
+            f"with pytest.raises(ValueError, match='BST_FAST_FUSED_CE'):\n    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'x')!r})\n"
+            "print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=bad)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    assert not (tmp_path / "x").exists()
+    # a fault (here a non-finite loss) with BST_FAST_TRACEBACK=0: one line, no traceback
+    fault = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY), "--set", f"out_dir={tmp_path / 'nan'}",
+             "--set", "lr=1e30", "--set", "grad_clip=0"]
+    for flag, traced in (("0", False), ("1", True)):
+        run = subprocess.run(fault + ["--overwrite"], capture_output=True, text=True, cwd=tmp_path,
+                             env={**env, "BST_FAST_TRACEBACK": flag})
+        assert run.returncode == 1 and ("Traceback" in run.stderr) == traced, run.stderr[-3000:]
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    """Both flags were accepted and --resume won silently: a user starting over got a continuation."""
+    bst_fast.train(TINY, out_dir=str(tmp_path), stop_at=2)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"resume \(--resume\) continues .* overwrite \(--overwrite\) starts it over"):
+        bst_fast.train(TINY, out_dir=str(tmp_path), resume=True, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
 @pytest.mark.parametrize("text, suffix", [("steps: 5000\nlr: 0.001\nsteps: 50\n", ".yaml"),
                                           ("model:\n  n_layer: 8\n  d_model: 32\n  n_layer: 2\n", ".yaml"),
                                           ('{"steps": 5000, "steps": 50}', ".json")])

@@ -141,8 +141,19 @@ class Switches:
                    split_16bit=env_flag("BST_FAST_SPLIT_16BIT"))
 
 
-# The switches in force: the environment's, read once when bst_fast is imported.
-SWITCHES = Switches.from_environment()
+# The switches in force: the environment's, read once when bst_fast is imported. A bad value does not
+# fail the import (the CLI could not report it as its one-line error): the defaults stand in, and
+# check_environment, called by belief_state_loss and the CLI, raises it.
+try:
+    SWITCHES, _ENVIRONMENT_ERROR = Switches.from_environment(), None
+except ValueError as _e:
+    SWITCHES, _ENVIRONMENT_ERROR = Switches(), _e
+
+
+def check_environment():
+    """Raises the ValueError of a BST_FAST_* variable that bst_fast's import found bad."""
+    if _ENVIRONMENT_ERROR is not None:
+        raise ValueError(str(_ENVIRONMENT_ERROR))
 
 
 @contextlib.contextmanager
