@@ -94,7 +94,7 @@ def _resolve_checkpoint(path):
         ckpt = find_checkpoint(path)
         model, cfg = load_model(ckpt)
     except Exception as e:  # json, safetensors and shape errors alike: the file is not a usable checkpoint
-        raise ValueError(f"cannot load checkpoint {short(str(path))}: {short(str(e), 500)}") from e
+        raise ValueError(f"cannot load checkpoint {short(str(path))}: {str(e)[:500]}") from e
     model.eval()
     return ckpt, model, cfg
 
@@ -168,7 +168,7 @@ def cmd_generate(args):
     if search == "plan" and not bst:
         raise ValueError(f"planning needs a BST checkpoint; this one is '{cfg.method}' (use --search greedy, sample or beam)")
     if goal and not bst and cfg.method != "fim":
-        raise ValueError(f"a '{cfg.method}' model cannot read a --suffix (use a BST or a FIM checkpoint)")
+        raise ValueError(f"a model of method '{cfg.method}' cannot read a --suffix (use a BST or a FIM checkpoint)")
     if goal and cfg.method == "fim":
         # FIM reads its goal in front of the answer: [... / s g | suffix =]
         if prompt[-1] != codec.tok.answer_id:
@@ -346,8 +346,8 @@ def main(argv=None):
     p.add_argument("--bpe-sample-mb", type=_positive_float, metavar="MB",
                    help="train the BPE tokenizer on about MB megabytes of documents spread over the corpus "
                    "(default: all of it, the tokenizer a text run trains)")
-    p.add_argument("--workers", type=int, metavar="N", help="encoding processes (default: one per CPU; 0: encode "
-                   "in this process); the ids are the same whatever N")
+    p.add_argument("--workers", type=int, metavar="N", help="encoding processes (default: one per CPU for a corpus over "
+                   "4 MiB, else none; 0: encode in this process); the ids are the same whatever N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     try:

@@ -405,7 +405,9 @@ def model_config(cfg: TrainConfig, task: Task) -> TrainConfig:
         given, default = getattr(cfg.model, name), type(cfg.model).__dataclass_fields__[name].default
         if given not in (default, value):
             raise ValueError(f"config field 'model.{name}' is set by the data ({value} here), got {given}: leave it "
-                             f"out (text takes max_len and the tokenizer or text_vocab; star graphs their star_ fields)")
+                             f"out (text takes max_len and the tokenizer or text_vocab; star graphs their star_ fields); "
+                             f"a config saved by a run holds its data's value: set model.{name}={default} (unset) "
+                             f"to let this data set it")
     model = dataclasses.replace(cfg.model, **decided, gpt_head=cfg.gamma > 0)
     return dataclasses.replace(cfg, model=model.check())
 

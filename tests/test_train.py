@@ -614,3 +614,19 @@ def test_a_checkpoint_or_a_log_write_is_timed_in_no_interval(tmp_path, monkeypat
     rows = [line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     rates = [float(value) for _, key, value in rows if key == "steps_per_s"]  # tokens/pairs: the same dt
     assert len(rates) == 7 and min(rates) > 1 / 50, rates  # a jump in an interval makes it 100 s a step
+
+
+def test_a_saved_config_on_other_data_names_how_to_let_the_data_set_its_fields(tmp_path):
+    """A run's saved config holds the vocab_size and max_len its data set. On another star shape they
+    are refused ('leave it out'), though the user never wrote them: the message now says how to unset
+    them, and that works."""
+    from bst_fast import ModelConfig
+
+    train(tiny(tmp_path / "a", steps=2))
+    saved = load_model(tmp_path / "a")[1]
+    default = ModelConfig.__dataclass_fields__["max_len"].default
+    assert saved.model.max_len != default
+    with pytest.raises(ValueError, match=rf"'model.max_len' is set by the data .* set model.max_len={default} \(unset\)"):
+        train(saved, out_dir=str(tmp_path / "b"), star_path_len=4)
+    train(saved, out_dir=str(tmp_path / "b"), star_path_len=4, **{"model.max_len": default})
+    assert load_model(tmp_path / "b")[1].model.max_len not in (default, saved.model.max_len)

@@ -136,7 +136,8 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     vocabulary sets the model's). max_doc_tokens: documents longer than this many tokens are
     dropped (counted in the manifest's dropped_documents), as the paper drops TinyStories stories
     longer than 256 tokens. progress: bars on stderr (None: only for more than 8 MB of text).
-    workers: encoding processes (None: one per CPU, 0: this process alone); the ids do not depend
+    workers: encoding processes (None: one per CPU for a corpus over 4 MiB (4 * _ENCODE_CHARS
+        bytes), else this process alone; 0: this process alone); the ids do not depend
     on it."""
     files = _text_files(data)  # a missing input is reported before anything else is done
     out = Path(os.path.abspath(out))  # "." has no name: the temporary folder would land inside it
@@ -724,8 +725,8 @@ def print_summary(manifest: dict, out, seconds: float, file=None):
     """The line `bst-fast tokenize` prints when it is done."""
     mb = manifest["source"]["bytes"] / 1e6
     print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({manifest['dtype']}, "
-          f"vocab {manifest['vocab_size']}) from {mb:.1f} MB of text in {seconds:.1f} s "
-          f"(tokenising {mb / max(manifest['seconds']['encode'], 1e-9):.1f} MB/s)"
+          f"vocab {manifest['vocab_size']}) from {mb:.3g} MB of text in {seconds:.1f} s "
+          f"(tokenising {mb / max(manifest['seconds']['encode'], 1e-9):.3g} MB/s)"
           + (f"; dropped {manifest['dropped_documents']} documents longer than {manifest['max_doc_tokens']} tokens"
              if manifest.get("max_doc_tokens") is not None else "")
           + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
