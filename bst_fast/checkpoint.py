@@ -354,9 +354,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, verified: bool 
     own = model.state_dict()
     missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = [k for k in own if k in weights and own[k].shape != weights[k].shape]
-    if missing or extra or shapes:
+    # a dtype the run never saves (fp16 weights of a float32 model) would be cast on load, silently
+    dtypes = [(k, str(weights[k].dtype), str(own[k].dtype)) for k in own if k in weights and own[k].dtype != weights[k].dtype]
+    if missing or extra or shapes or dtypes:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}, shape mismatch {[(k, tuple(weights[k].shape), tuple(own[k].shape)) for k in shapes[:5]]}")
+                         f"unexpected {extra[:5]}, shape mismatch {[(k, tuple(weights[k].shape), tuple(own[k].shape)) for k in shapes[:5]]}"
+                         + (f", dtype mismatch {dtypes[:5]}" if dtypes else ""))
     # Names of one tied tensor (the SwiGLU head's lm_head and the token embedding) must be saved
     # equal: loading writes them all into one Parameter, and the last one would silently win.
     tied = {}
@@ -385,6 +388,13 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, verified: bool 
         if logged is not None and (not isinstance(logged, int) or isinstance(logged, bool) or not 0 <= logged <= step):
             raise ValueError(f"checkpoint {path} has a corrupt {STATE}: its count of logged steps must be an int "
                              f"in [0, step {step}], got {short(repr(logged))}")
+        log = state.get("log")  # the open logging interval: every rank's loss sum and the steps in it
+        if log is not None and not (isinstance(log, dict) and isinstance(log.get("loss_sum"), list) and log["loss_sum"]
+                                    and all(isinstance(x, float) for x in log["loss_sum"])
+                                    and isinstance(log.get("n"), int) and not isinstance(log["n"], bool)
+                                    and 0 <= log["n"] <= step):
+            raise ValueError(f"checkpoint {path} has a corrupt {STATE}: its open logging interval must be None or "
+                             f"{{'loss_sum': [a float per rank], 'n': steps in [0, {step}]}}, got {short(repr(log))}")
         if named is not None and step != named:
             raise ValueError(f"checkpoint {path} records step {step} in {STATE} but is named for step {named}: "
                              f"files of two checkpoints were mixed; it is not used")

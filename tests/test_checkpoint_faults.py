@@ -260,3 +260,26 @@ def test_a_first_checkpoint_without_latest_is_resumed(tmp_path):
     got, want = (latest_checkpoint(p) for p in (d, whole))
     assert got.name == want.name == "step-00000006"
     assert sha256(got / "model.safetensors") == sha256(want / "model.safetensors")  # resumed bitwise
+
+
+@pytest.mark.parametrize("damage, why", [("fp16", r"dtype mismatch \[\('forward_encoder.tok.weight', 'torch.float16', 'torch.float32'\)"),
+                                         ("log", r"corrupt state.pt: its open logging interval must be None or")])
+def test_a_rehashed_checkpoint_of_another_dtype_or_a_bad_log_is_refused(tmp_path, damage, why):
+    """Checksums catch damage, not a file rewritten with its checksums: float16 weights were cast to
+    the model's float32 silently, and a malformed open logging interval was a raw TypeError deep in
+    the trainer. Both are refused, naming the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "run"
+    train(tiny(d), stop_at=4)
+    ckpt = latest_checkpoint(d)
+    if damage == "fp16":
+        weights = load_file(str(ckpt / "model.safetensors"))
+        save_file({k: v.half() for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    else:
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        state["log"] = {"loss_sum": "x", "n": -5}
+        torch.save(state, ckpt / "state.pt")
+    rehash(ckpt)
+    with pytest.raises(ValueError, match=rf"checkpoint .*step-00000004 .*{why}"):
+        train(tiny(d), resume=True)
