@@ -116,6 +116,7 @@ class RunFolder:
     def __init__(self, path):
         self.path = Path(path)
         self.lock_fd: Optional[int] = None
+        self.shared = False  # lock_fd's lock is hold()'s shared one, in a folder this process cannot write
 
     @property
     def marked(self) -> bool:
@@ -199,16 +200,19 @@ class RunFolder:
         """Locks a folder that already has a lock file, before anything in it is read: a second process
         on a folder a run trains in stops here, naming the holder, rather than reading checkpoints the
         holder is writing and pruning. (A folder without a lock file has no run holding it; `claim`
-        creates and locks it.)"""
+        creates and locks it.) In a folder this process cannot write (an archived run), a lock file it
+        cannot write is locked shared: a reader that still stops at a run training there, and stops
+        one, so that a finished run is reported; `claim` then needs the exclusive lock."""
         if self.lock_fd is None and self.path.is_dir() and os.path.lexists(self.path / LOCK):
-            self.lock()
+            self.lock(shared_ok=True)
 
     def claim(self):
         """Takes the folder for this run: creates it and locks it (a second process stops here). Call
         `check` first and again after (another process may have changed the folder before the lock
         was taken), then `start`."""
         self.path.mkdir(parents=True, exist_ok=True)
-        if self.lock_fd is None:
+        if self.lock_fd is None or self.shared:
+            self.unlock()  # hold's shared lock lets others read, not this process write
             self.lock()
 
     def start(self, new_run: bool):
@@ -257,16 +261,28 @@ class RunFolder:
             if not (self.path / name).is_symlink():
                 _remove_if_empty(self.path / name)
 
-    def lock(self):
-        """An exclusive lock on the folder for this process; a ValueError naming the holder's pid when
-        another process holds it. The lock file is opened without following a link and must be a
-        regular file. One with other names (a hard link: `cp -al` of a run folder, or someone's file
-        linked in) is replaced, under its lock, by a file of this folder's own, so that the pid is
-        never written into another name and a copied folder locks apart from this one; a lock taken
-        on a file that was replaced meanwhile is let go and taken again on the one now in place."""
+    def lock(self, shared_ok: bool = False):
+        """An exclusive lock on the folder for this process (`shared_ok`: hold's shared one in a folder
+        this process cannot write); a ValueError naming the holder's pid when another process holds
+        it. The lock file is opened without following a link and must be a regular file. One with
+        other names (a hard link: `cp -al` of a run folder, or someone's file linked in) or one this
+        process may not write (read-only from an archive, another user's) is replaced, under its
+        lock, by a file of this folder's own, so that the pid is never written into another name and
+        a copied folder locks apart from this one; a lock taken on a file that was replaced meanwhile
+        is let go and taken again on the one now in place. In a folder this process cannot write, a
+        lock that cannot be taken is a ValueError saying so (not a bare PermissionError)."""
+        try:
+            self._lock(shared_ok)
+        except OSError as e:
+            if os.access(self.path, os.W_OK | os.X_OK):
+                raise  # not a permission of the folder's: the error as it is
+            raise ValueError(f"out_dir {_cut(self.path)} is not writable (cannot take its lock {LOCK}): "
+                             f"{e.strerror or type(e).__name__}") from None
+
+    def _lock(self, shared_ok: bool):
         path = self.path / LOCK
         for _ in range(5):
-            fd = self._open_locked(path)
+            fd, writable, shared = self._open_locked(path, shared_ok)
             try:
                 info = os.fstat(fd)
                 try:
@@ -276,7 +292,7 @@ class RunFolder:
                 if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
                     os.close(fd)  # another process replaced it after we opened it: lock the new one
                     continue
-                if info.st_nlink != 1:
+                if not shared and (info.st_nlink != 1 or not writable):
                     tmp = path.with_name(f"{LOCK}.{os.getpid()}.tmp")
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)  # this pid's own leftover: no live process shares it
@@ -291,33 +307,44 @@ class RunFolder:
                         raise
                     os.close(fd)
                     fd = own
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                if not shared:  # a shared holder cannot write: the file keeps the last writer's pid
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, str(os.getpid()).encode(), 0)
             except BaseException:
                 os.close(fd)
                 raise
-            self.lock_fd = fd
+            self.lock_fd, self.shared = fd, shared
             return
         raise ValueError(f"{_cut(path)} was replaced five times while this run tried to lock it: another "
                          f"process is taking the folder; start again")
 
-    def _open_locked(self, path: Path) -> int:
-        """The lock file opened (without following a link) and flock'ed, or a ValueError."""
+    def _open_locked(self, path: Path, shared_ok: bool):
+        """(fd, writable, shared): the lock file opened (without following a link) and flock'ed, or a
+        ValueError. Shared (read-only) when `shared_ok` and this process cannot write the folder;
+        otherwise exclusive, through a read-only fd (writable False: lock() replaces the file) when
+        the file may not be written."""
         fault = _kind_fault(path, folder=False)
         if fault:
             raise ValueError(fault)
+        shared = shared_ok and not os.access(self.path, os.W_OK | os.X_OK)
+        writable = not shared
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT) | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:  # made a link since the check above
                 raise ValueError(_kind_fault(path, folder=False) or f"{_cut(path)} is a symbolic link") from None
-            raise
+            if shared or e.errno not in (errno.EACCES, errno.EPERM) or not os.path.lexists(path):
+                raise
+            # a lock file this process may not write: flock works on a read-only fd, and lock()
+            # replaces the file under that lock (or, in a folder it cannot write, says so)
+            fd, writable = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), False
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
                                  f"or choose another out_dir")
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 raise ValueError(f"out_dir {_cut(self.path)} is in use by another process "
@@ -326,12 +353,12 @@ class RunFolder:
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, writable, shared
 
     def unlock(self):
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # closing releases the flock
-            self.lock_fd = None
+            self.lock_fd, self.shared = None, False
 
 
 def _delete(path: Path):

@@ -2,6 +2,7 @@
 nothing a user owns is deleted, a second process is refused, every resume continues exactly or says
 why it cannot, and no damaged checkpoint is used."""
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -497,7 +498,7 @@ def test_a_linked_run_folder_is_refused_and_its_target_kept(tmp_path, name, resu
     (d / name).symlink_to(foreign)
     before = snapshot(foreign)
     with pytest.raises(ValueError, match="symbolic link"):
-        train(tiny(d), overwrite=True, resume=resume)
+        train(tiny(d), overwrite=not resume, resume=resume)
     assert snapshot(foreign) == before
 
 
@@ -608,6 +609,92 @@ def test_a_hard_linked_lock_file_is_never_written_through(tmp_path):
     assert (backup / LOCK).read_text() == str(os.getpid()) and victim.read_text() == "precious"
     copy.unlock()
     holder.unlock()
+
+
+def unprivileged(*args):
+    """A command run as a user that file permissions apply to: as it is for a user other than root;
+    for root, without the capabilities that bypass them (setpriv), or the test is skipped."""
+    args = list(map(str, args))
+    if os.geteuid() != 0:
+        return args
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner,-linux_immutable"]
+    try:
+        dropped = subprocess.run([*drop, "true"], capture_output=True).returncode == 0
+    except OSError:  # no setpriv
+        dropped = False
+    if not dropped:
+        pytest.skip("root, and setpriv cannot drop the capabilities that bypass file permissions")
+    return drop + args
+
+
+def ex_holder(path: Path) -> int:
+    """An exclusive flock on `path` through a read-only fd (this test may not write the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def test_a_read_only_lock_file_is_replaced_unless_held(run_copy):
+    """A lock file the run may not write (0444 from an archive, another user's 0644 in a shared
+    folder), in a folder it can write: replaced by the folder's own, as a hard-linked one is (review:
+    the run stopped on a PermissionError), but never while another process holds it."""
+    d = run_copy
+    (d / LOCK).write_text(str(os.getpid()))
+    (d / LOCK).chmod(0o444)
+    holder = ex_holder(d / LOCK)
+    try:
+        code = "import sys; from bst_fast.run_folder import RunFolder; RunFolder(sys.argv[1]).lock()"
+        proc = subprocess.run(unprivileged(sys.executable, "-c", code, d), capture_output=True, text=True, timeout=300)
+        assert f"in use by another process (pid {os.getpid()})" in proc.stderr, proc.stderr
+    finally:
+        os.close(holder)
+    proc = subprocess.run(unprivileged(sys.executable, "-m", "bst_fast", "train", "--config", TINY, "--set",
+                                       f"out_dir={d}", "--set", "steps=8", "--resume"),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert latest_checkpoint(d).name == "step-00000008"
+    lock = d / LOCK
+    assert lock.stat().st_mode & 0o200 and lock.stat().st_nlink == 1 and lock.read_text().isdigit()
+
+
+def test_a_finished_run_in_a_read_only_folder_is_reported_and_exits_0(run_copy):
+    """An archived run, read-only (review: its lock file was opened for writing: PermissionError, exit
+    1): a finished run is reported under a shared lock, which still stops at, and stops, a run
+    training there; training in it is one line saying the folder is not writable."""
+    d = run_copy
+    (d / LOCK).write_text(str(os.getpid()))
+    before = snapshot(d)
+    paths = [d, *d.rglob("*")]
+    for p in paths:
+        p.chmod(p.stat().st_mode & ~0o222)
+    train_cmd = [sys.executable, "-m", "bst_fast", "train", "--config", TINY, "--set", f"out_dir={d}", "--resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(unprivileged(*train_cmd), capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0 and "nothing to train" in proc.stderr, proc.stderr
+        proc = subprocess.run(unprivileged(*train_cmd, "--set", "steps=8"), capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert f"out_dir {d} is not writable (cannot take its lock {LOCK})" in one_error_line(proc)
+        holder = ex_holder(d / LOCK)  # a run training there: the report waits for it, naming it
+        try:
+            proc = subprocess.run(unprivileged(*train_cmd), capture_output=True, text=True, timeout=300, env=env)
+            assert f"in use by another process (pid {os.getpid()})" in one_error_line(proc)
+        finally:
+            os.close(holder)
+        code = ("import sys; from bst_fast.run_folder import RunFolder; f = RunFolder(sys.argv[1]); f.hold(); "
+                "print(f.shared, flush=True); sys.stdin.read()")
+        reader = subprocess.Popen(unprivileged(sys.executable, "-c", code, d), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert reader.stdout.readline().strip() == "True"
+            with pytest.raises(ValueError, match="in use by another process"):  # the reader stops a writer
+                RunFolder(d).lock()
+        finally:
+            reader.communicate(timeout=60)
+    finally:
+        for p in paths:
+            p.chmod(p.stat().st_mode | 0o200)
+    assert snapshot(d) == before and (d / LOCK).read_text() == str(os.getpid())  # nothing written
 
 
 def test_a_hard_linked_metrics_file_is_not_appended_to_on_resume(run_copy, tmp_path):
