@@ -295,6 +295,18 @@ def test_mixture_needs_one_tokenizer(two, corpus, tmp_path):
         TextTask(tiny(tmp_path, data=[str(two[0]), str(corpus[0])], max_len=16))
 
 
+def test_huge_finite_mixture_weights_keep_their_ratio(two, tmp_path):
+    """Weights 1e308 and 1e308 passed the finite check; their sum overflowed to inf and the first
+    batch failed inside numpy ("probabilities do not sum to 1")."""
+    task = TextTask(tiny(tmp_path, data=[[str(two[0]), 1e308], [str(two[1]), 1e308]], max_len=16))
+    assert task.data.weights.tolist() == [0.5, 0.5]
+
+
+def test_a_prepared_corpus_given_as_text_to_tokenise_is_named(corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"it is a prepared corpus .*give it as a run's data"):
+        prep.tokenize_corpus(corpus[2], tmp_path / "again", tokenizer=corpus[1])
+
+
 @pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf")])
 def test_mixture_weights_must_be_finite_and_positive(two, tmp_path, weight):
     with pytest.raises(ValueError, match=r"config field 'data': the weight of .*c1.* must be a finite number > 0"):
@@ -363,6 +375,8 @@ def _poke(path: Path, index: int, value: int, dtype="<u2"):
     ("unsorted_offsets", r"offsets\.bin: offsets are not sorted: document 3 ends at"),
     ("first_offset", r"offsets\.bin: the first document starts at 5"),
     ("id_over_vocab", r"tokens\.bin: token id 65000 is outside the vocabulary"),
+    # not in the fingerprint, read at every start: int('many') had been a bare error naming nothing
+    ("dropped_not_int", r"corrupt manifest: dropped_documents must be absent, null or an int >= 0, got 'many'"),
 ])
 def test_a_bad_prepared_corpus_is_a_clear_error(corpus, tmp_path, case, match):
     d = _copy(corpus[2], tmp_path / "c")
@@ -400,6 +414,8 @@ def test_a_bad_prepared_corpus_is_a_clear_error(corpus, tmp_path, case, match):
     elif case == "id_over_vocab":
         _poke(d / "tokens.bin", 9, 65000)
         _rehash(d)
+    elif case == "dropped_not_int":
+        _edit(d, dropped_documents="many")
     with pytest.raises(ValueError, match=match):
         prep.prepared_text_data(d, 16)
     through_config = "no manifest.json: not a prepared corpus either" if case == "no_manifest" else match

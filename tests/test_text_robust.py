@@ -197,6 +197,32 @@ def test_specials_that_are_not_special_tokens_are_refused(tmp_path, good_json):
         TextData(tmp_path / "a.txt", Tokenizer.from_str(json.dumps(obj)), max_len=16, held_out=0.0)
 
 
+def test_a_tokenizer_whose_model_has_the_specials_as_words_is_refused_when_it_makes_them(tmp_path):
+    """A WordLevel tokenizer with '<eos>' and '<bos>' as special added tokens AND as words of its
+    model: encode_special_tokens stops the added-token match, but the model still looks the word up,
+    so the text "hello <eos> world" became [.., EOS, ..] inside a row, on the raw-text and the
+    prepared-corpus paths alike. Such a document is refused, naming the token; text without the
+    words passes."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from bst_fast.data import tokenize_corpus
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in ("<pad>", "<bos>", "<eos>")])
+    tok.save(str(tmp_path / "wl.json"))
+    (tmp_path / "ok.txt").write_text("hello world\n\nworld hello hello")
+    rows = TextData(tmp_path / "ok.txt", load_tokenizer(tmp_path / "wl.json"), max_len=8, held_out=0.0)
+    assert rows.n_train == 2
+    (tmp_path / "bad.txt").write_text("hello world\n\nhello <eos> world")
+    with pytest.raises(ValueError, match=r"encodes as special ids \(1 in this batch, the first 2, <eos>\)"):
+        TextData(tmp_path / "bad.txt", load_tokenizer(tmp_path / "wl.json"), max_len=8, held_out=0.0)
+    with pytest.raises(ValueError, match=r"encodes as special ids .*<eos>"):
+        tokenize_corpus(tmp_path / "bad.txt", tmp_path / "prep", tokenizer=str(tmp_path / "wl.json"), progress=False)
+    assert not (tmp_path / "prep").exists()
+
+
 def test_a_tokenizer_whose_ids_skip_numbers_sizes_the_vocabulary_by_its_largest_id(tmp_path, good_json):
     """get_vocab_size counts ids: with the byte 'e' moved to id 5000 it still says 300, and an
     embedding of 300 rows would be indexed at 5000."""

@@ -54,7 +54,7 @@ from ..files import fsync, sha256
 from .packing import padding_saved
 from .star import _Batches
 from .text import (_ENCODE_CHARS, SPECIAL_TOKENS, TextData, _check_split, _doc_batches, _documents, _progress_bar,
-                   _shown, _text_files, _text_only, load_tokenizer, save_tokenizer, train_bpe,
+                   _shown, _text_files, _text_only, check_no_special_ids, load_tokenizer, save_tokenizer, train_bpe,
                    vocabulary_size)
 
 # the folder's names and is_prepared live below data/text.py, which reads folders of raw text
@@ -315,6 +315,7 @@ def _write(tmp: Path, files, tok, dtype, max_doc_tokens, progress, workers) -> d
             fo.write(first)
             off_hash.update(first)
             for flat, lengths in _encoded(_doc_batches(_documents(files, bar), _ENCODE_CHARS), tok, dtype, workers):
+                check_no_special_ids(flat, tok)
                 keep = lengths > 0  # a document of no tokens (only from an unusual tokenizer) is no row
                 empty += int((~keep).sum())
                 if max_doc_tokens is not None:
@@ -483,6 +484,10 @@ def _check_manifest(m: dict, mpath: Path):
         v = m.get(field)
         if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
             bad(field, f"an int >= {lowest}")
+    for field in ("dropped_documents", "empty_documents"):  # read at every start; not in the fingerprint
+        v = m.get(field)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            bad(field, "absent, null or an int >= 0")
     if m["block_bytes"] % 4:
         bad("block_bytes", "a multiple of 4")
     if m.get("dtype") not in ("uint16", "uint32"):
@@ -595,7 +600,8 @@ class MixtureData(_Batches):
             if (p.pad_id, p.bos_id, p.eos_id, p.vocab_size) != (first.pad_id, first.bos_id, first.eos_id, first.vocab_size):
                 raise ValueError(f"{name} and {names[0]} have different vocabularies or special ids")
         self.parts, self.names, self.seed = list(parts), names, seed
-        self.weights = np.array(weights) / sum(weights)
+        self.weights = np.array(weights, dtype=np.float64) / max(weights)  # 1e308 twice summed to inf
+        self.weights /= self.weights.sum()
         self.tokenizer = first.tokenizer
         self.vocab_size, self.max_len = first.vocab_size, first.max_len
         self.pad_id, self.bos_id, self.eos_id = first.pad_id, first.bos_id, first.eos_id

@@ -96,6 +96,10 @@ def _text_files(paths) -> list[Path]:
             found = sorted(q for q in p.rglob("*") if q.suffix.lower() == ".txt" and q.is_file()
                            and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
+                if is_prepared(p):
+                    raise FileNotFoundError(f"no *.txt files under {_shown(p, True)}: it is a prepared corpus "
+                                            f"(bst-fast tokenize's output), already tokenised; give it as a run's "
+                                            f"data, not as text to tokenise")
                 hint = (" and no manifest.json: not a prepared corpus either (one without its manifest is "
                         "incomplete or corrupt; tokenize it again)") if os.path.exists(p / "tokens.bin") else ""
                 raise FileNotFoundError(f"no *.txt files under {_shown(p, True)} (hidden files and folders are "
@@ -337,15 +341,31 @@ def _text_only(tokenizer, where: str = "tokenizer"):
     return tokenizer
 
 
+def check_no_special_ids(flat: np.ndarray, tokenizer, where: str = "tokenizer"):
+    """A document's ids hold none of PAD, BOS and EOS. _text_only stops the tokenizer matching the
+    specials' text as added tokens, but a model whose own vocabulary holds '<eos>' as a word (a
+    WordLevel or WordPiece one) still encodes '<eos>' written in a document as the EOS id: such a
+    row would end mid-document. One pass over each batch's ids."""
+    ids = {tokenizer.token_to_id(name): name for name in SPECIAL_TOKENS}
+    hit = np.flatnonzero(np.isin(flat, list(ids)))
+    if hit.size:
+        v = int(flat[hit[0]])
+        raise ValueError(f"{where}: documents' text encodes as special ids ({hit.size} in this batch, the first {v}, "
+                         f"{ids[v]}): the tokenizer's model has {ids[v]!r} in its vocabulary, so text would become "
+                         "PAD/BOS/EOS; use a tokenizer whose model cannot produce the special ids (train_bpe's)")
+
+
 def _encode_documents(tokenizer, documents) -> tuple[np.ndarray, np.ndarray]:
     """(flat int32 ids of every document, each document's length (n_docs,) int64), encoded
-    about _ENCODE_CHARS characters at a time (PieceEncoder: the ids encode_batch gives)."""
+    about _ENCODE_CHARS characters at a time (PieceEncoder: the ids encode_batch gives); no
+    special id among them (check_no_special_ids)."""
     from .encode import PieceEncoder
 
     encoder = PieceEncoder(tokenizer, np.int32)
     parts, lengths = [], []
     for batch in _doc_batches(documents, _ENCODE_CHARS):
         flat, n = encoder.encode(batch)
+        check_no_special_ids(flat, tokenizer)
         parts.append(flat)
         lengths.append(n)
     # copied part by part into one array, each part freed once copied: its pages are written as they
