@@ -230,6 +230,9 @@ def _write_failure(root: Path, step: int, error: BaseException, full: bool, fina
         except ValueError:
             previous = None
         kind = "checkpoint"
+        if previous == final:  # in place, `latest` not written: the fallback of latest_checkpoint finds it
+            return (f"the checkpoint of step {step}, {final}, is complete and in place, but {root / 'latest'} could "
+                    f"not be written ({cause}); a resume takes that checkpoint")
     return (f"could not write the {kind} of step {step} under {root}: {cause}; "
             f"{f'the previous {kind} {previous} is intact' if previous else f'no earlier {kind} exists'}")
 

@@ -440,7 +440,7 @@ def swiglu_head_changes(head: ResidualSwiGLUHead) -> Optional[str]:
     an mlp[0] or gate_up that is not the plain module (an adapter, a LoRA wrapper) or a forward hook
     on the head, mlp[0] or gate_up makes the head go through whole (text_head_changes says why
     global hooks are not looked at)."""
-    why = _methods_changed(head, ResidualSwiGLUHead, ("forward", "pair_parts", "_after_swiglu"))
+    why = _methods_changed(head, ResidualSwiGLUHead, ("forward", "_after_swiglu"))
     if why:
         return why
     act = head.mlp[0]
@@ -458,7 +458,10 @@ def swiglu_head_changes(head: ResidualSwiGLUHead) -> Optional[str]:
 
 def split_changes(head: nn.Module) -> Optional[str]:
     """Why a bst_fast head's own pair_parts no longer says what the head computes, or None (also for
-    any other head: a pair_parts of its own is its author's to keep right)."""
+    any other head, and for a pair_parts set on the object: a split of its own is its author's to
+    keep right)."""
+    if "pair_parts" in head.__dict__:
+        return None
     if isinstance(head, TextHead) and type(head).pair_parts is TextHead.pair_parts:
         return text_head_changes(head)
     if isinstance(head, ResidualSwiGLUHead) and type(head).pair_parts is ResidualSwiGLUHead.pair_parts:

@@ -431,7 +431,8 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
 
         run.bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
     run.last_good = from_rank0(world, rank, lambda: latest_checkpoint(cfg.out_dir))  # named in every rank's faults
-    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start, cfg) if cfg.keep_best else None
+    # _keep_best runs on rank 0 alone, and a damaged best.json is named once
+    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start, cfg) if cfg.keep_best and rank == 0 else None
     # An interval a stop_at left open comes back from the checkpoint, so the row that closes it is
     # the uninterrupted run's.
     run.loss_sum, open_log = torch.zeros((), device=device), state.get("log")

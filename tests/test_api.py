@@ -203,6 +203,8 @@ def test_a_bad_switch_variable_is_one_error_line_and_the_traceback_flag_reads_it
             "    bst_fast.belief_state_loss(torch.randn(1, 5, 3), torch.randn(1, 5, 3), torch.zeros(1, 5, dtype=torch.long),\n"
             "                               bst_fast.TextHead(3, 4, hidden=4))\n"
             f"with pytest.raises(ValueError, match='BST_FAST_FUSED_CE'):\n    bst_fast.train({str(TINY)!r}, out_dir={str(tmp_path / 'x')!r})\n"
+            "from bst_fast.backends import runtime\n"
+            "with pytest.raises(ValueError, match='BST_FAST_FUSED_CE'):\n    runtime.SWITCHES  # a bench reading it directly\n"
             "print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=bad)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -283,3 +283,24 @@ def test_a_rehashed_checkpoint_of_another_dtype_or_a_bad_log_is_refused(tmp_path
     rehash(ckpt)
     with pytest.raises(ValueError, match=rf"checkpoint .*step-00000004 .*{why}"):
         train(tiny(d), resume=True)
+
+
+def test_a_first_checkpoint_whose_latest_cannot_be_written_is_named_as_in_place(tmp_path, monkeypatch):
+    """The first checkpoint in place, its `latest` not written (disk full): since latest_checkpoint
+    finds such a checkpoint, the error called it "the previous checkpoint ... intact", the very one
+    it could not write. It says the checkpoint is in place and a resume takes it, which one does."""
+    d = tmp_path / "run"
+    real = checkpoint.atomic_write
+
+    def failing(path, write):
+        if Path(path).name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, write)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", failing)
+    with pytest.raises(CheckpointWriteError, match=r"step-00000002, is complete and in place, but .*latest could "
+                                                   r"not be written \(the disk is full.*a resume takes that checkpoint"):
+        train(tiny(d), stop_at=2)
+    monkeypatch.setattr(checkpoint, "atomic_write", real)
+    train(tiny(d), resume=True, stop_at=3)
+    assert latest_checkpoint(d).name == "step-00000003"

@@ -142,12 +142,12 @@ class Switches:
 
 
 # The switches in force: the environment's, read once when bst_fast is imported. A bad value does not
-# fail the import (the CLI could not report it as its one-line error): the defaults stand in, and
-# check_environment, called by belief_state_loss and the CLI, raises it.
+# fail the import (the CLI could not report it as its one-line error): SWITCHES is then left unset, and
+# its first use (or check_environment, which the CLI, train and belief_state_loss call first) raises it.
 try:
     SWITCHES, _ENVIRONMENT_ERROR = Switches.from_environment(), None
 except ValueError as _e:
-    SWITCHES, _ENVIRONMENT_ERROR = Switches(), _e
+    _ENVIRONMENT_ERROR = _e
 
 
 def check_environment():
@@ -156,10 +156,17 @@ def check_environment():
         raise ValueError(str(_ENVIRONMENT_ERROR))
 
 
+def __getattr__(name):  # runtime.SWITCHES, or `from runtime import SWITCHES`, under a bad environment
+    if name == "SWITCHES":
+        check_environment()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @contextlib.contextmanager
 def switched(**changes):
     """Runs the block with SWITCHES changed as named (Switches' fields), then restores them."""
     global SWITCHES
+    check_environment()
     old = SWITCHES
     SWITCHES = dataclasses.replace(old, **changes)
     try:
@@ -179,6 +186,7 @@ def window_rows(B: int, per_row: int, budget: int, switches: Switches) -> int:
 
 
 def _switches_in_force() -> Switches:
+    check_environment()
     return SWITCHES
 
 
