@@ -233,7 +233,8 @@ BAD = [
     (lambda d: d[:, :-1], "documents must have shape \\(B, L\\)"),
     (lambda d: (d, d, d), "documents must be a \\(B, L\\) tensor of ids or a \\(prefix_ids, suffix_ids\\) pair"),
     (lambda d: (d, d.flip(1)), "documents\\[1\\] \\(suffix ids\\) must be non-decreasing"),
-    (lambda d: [1, 2], "documents\\[0\\] \\(prefix ids\\) must be a \\(B, L\\) integer tensor"),
+    (lambda d: [1, 2], "documents must be a \\(B, L\\) tensor of ids or a \\(prefix_ids, suffix_ids\\) pair, got a "
+                       "list of 2 that are not all tensors"),
 ]
 
 
