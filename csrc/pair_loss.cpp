@@ -20,6 +20,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <utility>
 #if defined(__SSE__) || defined(__x86_64__)
@@ -279,7 +280,9 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   // the caller got wrong.
   for (const auto p : c10::irange(weight.numel())) {  // pair weights: scales of a mean, never of a sign
     const double w = weight.data_ptr<double>()[p];
-    TORCH_CHECK_VALUE(std::isfinite(w) && w >= 0, "weight[", p, "] must be finite and >= 0, got ", w);
+    // the engine computes in float32: a weight past its range would turn the loss into inf
+    TORCH_CHECK_VALUE(std::isfinite(w) && w >= 0 && w <= FLT_MAX, "weight[", p, "] must be finite, >= 0 and at most ",
+                      "float32's largest (", FLT_MAX, "), got ", w);
   }
   for (const auto r : c10::irange(B)) {
     for (const auto t : c10::irange(len[r])) {

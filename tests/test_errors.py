@@ -279,6 +279,7 @@ OP_BAD = {
     "pair_i_before_prefix_start": {**_LIST, "i": torch.tensor([0, 0]), "j": torch.tensor([3, 4])},
     "pair_i_negative": {**_LIST, "i": torch.tensor([-1, 2]), "j": torch.tensor([3, 6])},
     "weight_inf": dict(weight=torch.tensor(float("inf"), dtype=torch.float64)),
+    "weight_past_float32": dict(weight=torch.tensor(1e300, dtype=torch.float64)),  # an inf loss in float32
     # 1/|P| of a batch with no pair is inf: the missing pairs are the error, not the scale
     "no_pair_inf_scale": dict(lengths=torch.tensor([1, 2]), weight=torch.tensor(float("inf"), dtype=torch.float64)),
 }
@@ -296,6 +297,7 @@ OP_MATCH = {
     "activation": "activation must be one of", "weight_not_scalar": "weight must be a 0-dim", "row_without_i": "given together",
     "pair_list_weight_count": "one entry per pair", "pair_list_lengths_differ": r"j must be an int64 CPU vector as long as row \(2\), got \[1\]",
     "pair_list_int32": r"row must be an int64 CPU vector .* Int", "weight_inf": r"weight\[0\] must be finite",
+    "weight_past_float32": r"weight\[0\] must be finite, >= 0 and at most float32's largest \(3.40282e\+38\), got 1e\+300",
     "no_pair_inf_scale": "no valid pair at all",
     **{case: rf"pairs\[{k}\] = .* is not a valid pair" for case, k in (
         ("pair_row_out_of_range", 1), ("pair_row_negative", 0), ("pair_j_beyond_length", 1), ("pair_j_beyond_L", 1),
@@ -305,7 +307,7 @@ OP_MATCH = {
 
 # The errors belief_state_loss raises in eager mode, where the op's own check is the one that runs
 # under torch.compile; the rest are the op's RuntimeError.
-OP_ERROR = {"token_negative": IndexError, "token_too_big": IndexError, "weight_inf": ValueError,
+OP_ERROR = {"token_negative": IndexError, "token_too_big": IndexError, "weight_inf": ValueError, "weight_past_float32": ValueError,
             "no_pair_inf_scale": ValueError, "lengths_above_L": ValueError, "lengths_negative": ValueError,
             "prefix_start_negative": ValueError,
             **{case: ValueError for case in OP_MATCH if case.startswith("pair_") and "list" not in case}}
@@ -585,9 +587,9 @@ def test_op_arguments_on_another_device_and_bad_weights_are_refused():
     with pytest.raises(ValueError, match="A's device"):
         call(tok=tok.to("meta"))
     for bad in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(ValueError, match=r"weight\[0\] must be finite and >= 0"):
+        with pytest.raises(ValueError, match=r"weight\[0\] must be finite, >= 0 and at most"):
             call(weight=torch.tensor([bad], dtype=torch.float64), listed=True)
-    with pytest.raises(ValueError, match=r"weight\[0\] must be finite and >= 0"):
+    with pytest.raises(ValueError, match=r"weight\[0\] must be finite, >= 0 and at most"):
         call(weight=torch.tensor(float("nan"), dtype=torch.float64))
 
 
