@@ -283,6 +283,8 @@ class RunFolder:
         path = self.path / LOCK
         for _ in range(5):
             fd, writable, shared = self._open_locked(path, shared_ok)
+            if fd is None:  # a read-only folder's lock file shared with another folder: read unlocked
+                return
             try:
                 info = os.fstat(fd)
                 try:
@@ -322,7 +324,7 @@ class RunFolder:
         """(fd, writable, shared): the lock file opened (without following a link) and flock'ed, or a
         ValueError. Shared (read-only) when `shared_ok` and this process cannot write the folder;
         otherwise exclusive, through a read-only fd (writable False: lock() replaces the file) when
-        the file may not be written."""
+        the file may not be written. fd None: shared, but the file has other names (no lock taken)."""
         fault = _kind_fault(path, folder=False)
         if fault:
             raise ValueError(fault)
@@ -340,12 +342,21 @@ class RunFolder:
             # replaces the file under that lock (or, in a folder it cannot write, says so)
             fd, writable = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), False
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise ValueError(f"{_cut(path)} is not a regular file, where the run keeps its lock: move it away "
                                  f"or choose another out_dir")
+            if shared and info.st_nlink != 1:
+                # another folder's file too (`cp -al` of a run, made read-only): a lock on it would lock
+                # that folder as well, and this process cannot write here, nor can a run train here
+                os.close(fd)
+                return None, False, True
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not shared and _only_readers(fd):  # a shared holder writes no pid: the file's is stale
+                    raise ValueError(f"out_dir {_cut(self.path)} is being read by another process (a finished run "
+                                     f"reported in a folder it cannot write): start again when it is done") from None
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 raise ValueError(f"out_dir {_cut(self.path)} is in use by another process "
                                  f"(pid {holder if holder.isdigit() else 'unknown'}), which holds {_cut(path)}: "
@@ -359,6 +370,17 @@ class RunFolder:
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # closing releases the flock
             self.lock_fd, self.shared = None, False
+
+
+def _only_readers(fd: int) -> bool:
+    """Whether the flock another process holds on fd's file is shared (the caller's own exclusive
+    attempt failed): a shared one is taken then let go."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 def _delete(path: Path):

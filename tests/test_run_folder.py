@@ -687,7 +687,7 @@ def test_a_finished_run_in_a_read_only_folder_is_reported_and_exits_0(run_copy):
                                   stdout=subprocess.PIPE, text=True, env=env)
         try:
             assert reader.stdout.readline().strip() == "True"
-            with pytest.raises(ValueError, match="in use by another process"):  # the reader stops a writer
+            with pytest.raises(ValueError, match="is being read by another process"):  # the reader stops a writer
                 RunFolder(d).lock()
         finally:
             reader.communicate(timeout=60)
@@ -870,3 +870,49 @@ def test_a_failed_lock_swap_leaves_nothing_behind(tmp_path, monkeypatch):
     (d / f"{LOCK}.4242.tmp").write_text("")  # a killed process's replacement: not someone's file
     train(tiny(d))
     assert not (d / f"{LOCK}.4242.tmp").exists() and (tmp_path / "v.txt").read_text() == "x"
+
+
+def _reader(folder: Path):
+    """A process (without root's permission bypass) that holds `folder` as a finished run's report does
+    (RunFolder.hold) and says whether its lock is the shared one; stop it with .kill()."""
+    code = ("import sys, time; from bst_fast.run_folder import RunFolder; f = RunFolder(sys.argv[1]); f.hold(); "
+            "print(f.lock_fd is not None, f.shared, flush=True); time.sleep(60)")
+    proc = subprocess.Popen(unprivileged(sys.executable, "-c", code, folder), stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().split()
+
+
+def test_a_read_only_hard_linked_copy_never_locks_its_original(tmp_path):
+    """`cp -al run archive; chmod 555 archive`: both folders' lock files are one file. A report of the
+    archive held a shared lock on it, so the original could not be locked (and a run training in the
+    original kept the archive from being reported). The archive's report now takes no lock on a file
+    with other names; one with one name still is locked shared, and a run starting meanwhile is told
+    the folder is being read, not a stale pid."""
+    base = tmp_path / "b"
+    base.mkdir()
+    base.chmod(0o755)
+    run = base / "run"
+    run.mkdir()
+    (run / LOCK).write_text("12345")
+    subprocess.run(["cp", "-al", str(run), str(base / "archive")], check=True)
+    (base / "archive").chmod(0o555)
+    reader, said = _reader(base / "archive")
+    try:
+        assert said == ["False", "False"], said  # no lock held on the shared file
+        folder = RunFolder(run)
+        folder.lock()  # the original locks while the archive is read
+        folder.unlock()
+    finally:
+        reader.kill()
+        reader.wait()
+    alone = base / "alone"
+    alone.mkdir()
+    (alone / LOCK).write_text("12345")
+    alone.chmod(0o555)
+    reader, said = _reader(alone)
+    try:
+        assert said == ["True", "True"], said
+        with pytest.raises(ValueError, match=r"is being read by another process \(a finished run reported"):
+            RunFolder(alone).lock()  # root may write it: an exclusive attempt, refused without pid 12345
+    finally:
+        reader.kill()
+        reader.wait()

@@ -727,16 +727,17 @@ def open_data(data, max_len: int, held_out: float = 0.05, seed: int = 0, pack: b
     return MixtureData(parts, [w for _, w in entries], names=[p for p, _ in entries], seed=seed)
 
 
-def _megabytes(mb: float) -> str:
-    return f"{mb:.1f}" if mb >= 1 else f"{mb:.2g}"  # a small corpus is not "0.0 MB", a large one not 1.92e+03
+def _size(mb: float) -> str:
+    """MB as text a person reads: a small corpus is not "0.0 MB" or "1e-05 MB", a large one not 1.92e+03."""
+    return f"{mb:.1f} MB" if mb >= 1 else f"{mb * 1e3:.1f} kB" if mb >= 1e-3 else f"{mb * 1e6:.0f} bytes"
 
 
 def print_summary(manifest: dict, out, seconds: float, file=None):
     """The line `bst-fast tokenize` prints when it is done."""
     mb = manifest["source"]["bytes"] / 1e6
     print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({manifest['dtype']}, "
-          f"vocab {manifest['vocab_size']}) from {_megabytes(mb)} MB of text in {seconds:.1f} s "
-          f"(tokenising {_megabytes(mb / max(manifest['seconds']['encode'], 1e-9))} MB/s)"
+          f"vocab {manifest['vocab_size']}) from {_size(mb)} of text in {seconds:.1f} s "
+          f"(tokenising {_size(mb / max(manifest['seconds']['encode'], 1e-9))}/s)"
           + (f"; dropped {manifest['dropped_documents']} documents longer than {manifest['max_doc_tokens']} tokens"
              if manifest.get("max_doc_tokens") is not None else "")
           + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
