@@ -453,10 +453,11 @@ def check_documents(documents, lengths, B, L, device, values: bool = True):
     here; the values (a host sync) here too with `values`, else returned for the caller's one sync:
     [(name, ids, (B, L-1) mask of the positions where the ids go down)]."""
     sides = documents if isinstance(documents, (tuple, list)) else (documents,)
-    if isinstance(documents, (tuple, list)) and (len(documents) != 2 or not all(map(torch.is_tensor, documents))):
+    tensors = all(map(torch.is_tensor, sides))
+    if isinstance(documents, (tuple, list)) and (len(documents) != 2 or not tensors):
         _fail(ValueError, f"documents must be a (B, L) tensor of ids or a (prefix_ids, suffix_ids) pair, "
                           f"got a {type(documents).__name__} of {len(documents)}"
-                          + ("" if all(map(torch.is_tensor, documents)) else " that are not all tensors"))
+                          + ("" if tensors else " that are not all tensors"))
     names = ["documents"] if len(sides) == 1 else ["documents[0] (prefix ids)", "documents[1] (suffix ids)"]
     downs = []
     for name, ids in zip(names, sides):

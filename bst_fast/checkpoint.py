@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ._checks import short
-from .config import SAME_TRAJECTORY_CHANGES, TrainConfig
+from .config import SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
 from .files import atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
@@ -186,8 +186,8 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig) -> Optional[f
             return None
         if saved_step > step:
             verify(best, only=CONFIG)
-            then, now = json.loads((best / CONFIG).read_text()), cfg.to_dict()
-            if any(then.get(k) != v for k, v in now.items() if k not in SAME_TRAJECTORY_CHANGES):
+            then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
+            if config_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
                 return None
         return value
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

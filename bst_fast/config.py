@@ -386,6 +386,17 @@ SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep
                            "out_dir")
 
 
+def config_changes(then: dict, now: dict, allowed=()) -> dict:
+    """The fields in which two TrainConfig dicts differ, but for `allowed`: {field: (then, now)}, the
+    model's named model.<field>. Text fields a star run never reads (older versions let a config set
+    them) are no difference."""
+    unread = ("text_vocab", "max_len") if now["data"] == "star" else ()
+    diff = {k: (then.get(k), v) for k, v in now.items()
+            if k not in allowed and k != "model" and k not in unread and then.get(k) != v}
+    diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items() if then["model"].get(k) != v})
+    return diff
+
+
 # A config is a handful of fields: a few aliases are a convenience, thousands are a YAML bomb (nested
 # aliases expand exponentially when anything walks the result, e.g. an error message's repr).
 MAX_YAML_ALIASES = 100

@@ -34,7 +34,7 @@ from ._pairs import to_device
 from .backends import runtime
 from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
                          verify)
-from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
+from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, config_changes, resolve_config
 from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
 from .tasks import (CORPUS, RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
@@ -107,13 +107,7 @@ def autocast_for(device: str):
 def _check_resumable(ckpt: Path, cfg: TrainConfig):
     """The checkpoint's config must equal cfg (with the model's data fields set) in every field a
     resumed run may not change."""
-    saved, now = read_config(ckpt).to_dict(), cfg.to_dict()
-    # text fields a star run never read (older versions let a config set them): not a difference
-    unread = ("text_vocab", "max_len") if now["data"] == "star" else ()
-    diff = {k: (saved.get(k), v) for k, v in now.items()
-            if k not in RESUMABLE_CHANGES and k != "model" and k not in unread and saved.get(k) != v}
-    diff.update({f"model.{k}": (saved["model"].get(k), v) for k, v in now["model"].items()
-                 if saved["model"].get(k) != v})
+    diff = config_changes(read_config(ckpt).to_dict(), cfg.to_dict(), RESUMABLE_CHANGES)
     if diff:
         raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
 

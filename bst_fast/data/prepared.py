@@ -480,13 +480,14 @@ def _check_manifest(m: dict, mpath: Path):
                          f"upgrade bst_fast")
     if m["version"] != VERSION:
         bad("version", str(VERSION))
-    for field, lowest in (("vocab_size", 1), ("documents", 1), ("tokens", 1), ("block_bytes", 1)):
-        v = m.get(field)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
-            bad(field, f"an int >= {lowest}")
+    def count(v, lowest):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lowest
+
+    for field in ("vocab_size", "documents", "tokens", "block_bytes"):
+        if not count(m.get(field), 1):
+            bad(field, "an int >= 1")
     for field in ("dropped_documents", "empty_documents"):  # read at every start; not in the fingerprint
-        v = m.get(field)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        if m.get(field) is not None and not count(m[field], 0):
             bad(field, "absent, null or an int >= 0")
     if m["block_bytes"] % 4:
         bad("block_bytes", "a multiple of 4")
