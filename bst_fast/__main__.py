@@ -107,6 +107,7 @@ class _StarCodec:
 
         self.tok = StarGraphTokenizer(cfg.star_nodes)
         self.bos_id, self.eos_id = self.tok.bos_id, self.tok.eos_id
+        self.specials = {self.tok.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
         self.words = {w: self.tok.n_nodes + k for k, w in enumerate(self.tok.SPECIALS)}
 
     def encode(self, text):
@@ -136,12 +137,14 @@ class _TextCodec:
 
     def __init__(self, ckpt):
         from .data import load_tokenizer
+        from .data.text import SPECIAL_TOKENS
         from .tasks import TOKENIZER
 
         if not (ckpt / TOKENIZER).is_file():
             raise ValueError(f"checkpoint {ckpt} holds no {TOKENIZER}")
-        self.tok = load_tokenizer(ckpt / TOKENIZER)
+        self.tok = load_tokenizer(ckpt / TOKENIZER)  # '<eos>' written in a prompt is text, as in training
         self.bos_id, self.eos_id = self.tok.token_to_id("<bos>"), self.tok.token_to_id("<eos>")
+        self.specials = {self.tok.token_to_id(name): name for name in SPECIAL_TOKENS}
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -159,9 +162,17 @@ def cmd_generate(args):
     star = cfg.data == "star"
     codec = _StarCodec(cfg) if star else _TextCodec(ckpt)
     prompt = codec.encode(args.prefix)
+    goal = codec.encode(args.suffix) if args.suffix else []
+    # the model never saw PAD, EOS or a second BOS inside a row: generate places BOS and EOS itself
+    # (a prompt's own leading BOS is that BOS); k counts the option's tokens from 0
+    for option, ids, start in (("--prefix", prompt, int(prompt[:1] == [codec.bos_id])), ("--suffix", goal, 0)):
+        for k, t in enumerate(ids[start:], start):
+            if t in codec.specials:
+                raise ValueError(f"{option}: token {k} encodes as {codec.specials[t]} (id {t}); a row holds PAD, "
+                                 f"BOS and EOS only where generate puts them (BOS first, EOS last)"
+                                 + ("" if star else ": the checkpoint's tokenizer makes it from text"))
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
-    goal = codec.encode(args.suffix) if args.suffix else []
     bst = cfg.method == "bst"
     # a BST plans toward a goal; a FIM model reads it in its prompt and decodes greedily
     search = args.search or ("plan" if (goal and bst) or args.rollouts is not None else "greedy")

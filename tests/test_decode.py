@@ -466,9 +466,19 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
                         (["--search", "greedy", "--seed", "1"], "--seed applies"),
                         (["--search", "sample", "--seed", str(10**20)], "--seed must be in [0, 2**63)"),
                         # a suffix longer than the path: an error, not an empty answer
-                        (["--suffix", "1 2 3 4 0 1 2 3 4"], "more than a path")):
+                        (["--suffix", "1 2 3 4 0 1 2 3 4"], "more than a path"),
+                        # specials inside the prompt or the goal: rows the model never saw
+                        (["--suffix", "3 <eos>"], "--suffix: token 1 encodes as <eos>"),
+                        (["--suffix", "<bos> 4"], "--suffix: token 0 encodes as <bos>")):
         assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix, *flags]) == 2, flags
         assert name in capsys.readouterr().err
+    for bad, k, name in (("0 1 | 1 2 <pad> | 0 3 | 3 4 / 0 4 =", 5, "<pad>"), ("<bos> 0 1 <bos> =", 3, "<bos>"),
+                         ("0 1 | 1 2 / 0 2 = 0 <eos>", 10, "<eos>")):
+        assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", bad]) == 2, bad
+        assert f"--prefix: token {k} encodes as {name}" in capsys.readouterr().err
+    # a leading <bos> is the one BOS generate would put there
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", "<bos> " + prefix]) == 0
+    capsys.readouterr()
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
@@ -490,6 +500,31 @@ def test_generate_cli_text(tmp_path, capsys):
     assert main(args + ["--search", "sample", "--top-k", "5", "--horizon", "4"]) == 0
     # without --horizon: 32 tokens would pass max_len 48 after a goal; the default leaves room
     assert main(args + ["--suffix", " The end." * 4, "--rollouts", "2"]) == 0, capsys.readouterr().err
+    # '<eos>' written in a prompt is text, as in a training document, not the EOS id
+    assert main(args[:-1] + ["Once <eos> upon", "--search", "greedy", "--horizon", "2"]) == 0, capsys.readouterr().err
+    assert "prefix:    Once <eos> upon" in capsys.readouterr().out
+
+
+def test_generate_cli_refuses_a_prompt_its_tokenizer_encodes_as_special_ids(tmp_path, capsys):
+    """A WordLevel tokenizer with '<eos>' as a word of its model trains on documents without the
+    word, but would make the EOS id of '<eos>' written in a prompt or goal: refused, naming it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in ("<pad>", "<bos>", "<eos>")])
+    tok.save(str(tmp_path / "wl.json"))
+    (tmp_path / "ok.txt").write_text("\n\n".join(["hello world world", "world hello", "hello hello world"] * 4))
+    train(tiny(tmp_path / "run", data=str(tmp_path / "ok.txt"), tokenizer=str(tmp_path / "wl.json"), max_len=8,
+               steps=2, batch_size=2, eval_every=0, ckpt_every=0))
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--search", "greedy", "--horizon", "2"]
+    assert main(args + ["--prefix", "hello world"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(args + ["--prefix", "hello <eos> world"]) == 2
+    assert "--prefix: token 1 encodes as <eos> (id 2)" in capsys.readouterr().err
+    assert main(args[:3] + ["--prefix", "hello", "--suffix", "world <pad>"]) == 2
+    assert "--suffix: token 1 encodes as <pad> (id 0)" in capsys.readouterr().err
 
 
 class CountingTable(TableModel):

@@ -375,6 +375,8 @@ def _poke(path: Path, index: int, value: int, dtype="<u2"):
     ("unsorted_offsets", r"offsets\.bin: offsets are not sorted: document 3 ends at"),
     ("first_offset", r"offsets\.bin: the first document starts at 5"),
     ("id_over_vocab", r"tokens\.bin: token id 65000 is outside the vocabulary"),
+    # a corpus tokenised before tokenize refused special ids (stop 41) by a tokenizer whose model makes them
+    ("special_id", r"tokens\.bin \(block 0\): documents' text encodes as special ids .*the first 2, <eos>"),
     # not in the fingerprint, read at every start: int('many') had been a bare error naming nothing
     ("dropped_not_int", r"corrupt manifest: dropped_documents must be absent, null or an int >= 0, got 'many'"),
 ])
@@ -414,6 +416,9 @@ def test_a_bad_prepared_corpus_is_a_clear_error(corpus, tmp_path, case, match):
     elif case == "id_over_vocab":
         _poke(d / "tokens.bin", 9, 65000)
         _rehash(d)
+    elif case == "special_id":
+        _poke(d / "tokens.bin", 9, m["special_ids"]["<eos>"])
+        _rehash(d)
     elif case == "dropped_not_int":
         _edit(d, dropped_documents="many")
     with pytest.raises(ValueError, match=match):
@@ -440,6 +445,23 @@ def test_an_id_outside_the_vocabulary_in_an_unchecked_block_fails_when_read(corp
     monkeypatch.setattr(prep, "VERIFY_ALL_BYTES", 1 << 26)
     with pytest.raises(ValueError, match="token id 65000"):
         prep.prepared_text_data(out, 16)
+
+
+def test_a_special_id_in_an_unchecked_block_fails_when_read(corpus, tmp_path, monkeypatch):
+    """An EOS inside a document of a corpus tokenised before tokenize refused special ids, in a block
+    that opening does not verify, stops the batch that reads it (it would have ended a row early)."""
+    monkeypatch.setattr(prep, "BLOCK_BYTES", 64)
+    out = tmp_path / "c"
+    prep.tokenize_corpus(corpus[0], out, tokenizer=corpus[1])
+    m = json.loads((out / "manifest.json").read_text())
+    _poke(out / "tokens.bin", m["tokens"] // 2, m["special_ids"]["<eos>"])
+    _rehash(out)
+    monkeypatch.setattr(prep, "VERIFY_ALL_BYTES", 0)
+    monkeypatch.setattr(prep, "VERIFY_BLOCKS", 0)
+    data = prep.prepared_text_data(out, 16, held_out=0)
+    with pytest.raises(ValueError, match=r"c: token id 2 inside a document is a special id"):
+        for s in range(data.n_train // 8 + 1):
+            data.batch(s, 8, 0)
 
 
 def test_the_output_folder_is_written_atomically_and_never_clobbered(corpus, tmp_path, capsys):

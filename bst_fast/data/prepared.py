@@ -431,7 +431,7 @@ class PreparedCorpus:
         _check_offsets(offsets, m["tokens"], opath)
         tpath = path / files["tokens"]
         tokens = np.memmap(tpath, dtype=dtype, mode="r", shape=(m["tokens"],))
-        _verify_blocks(tokens, m, tpath, verify)
+        _verify_blocks(tokens, m, tpath, verify, tokenizer)
         return cls(path, m, tokens, offsets, tokenizer)
 
 
@@ -536,9 +536,11 @@ def _check_offsets(offsets: np.ndarray, n_tokens: int, opath: Path):
                          f"tokens (corrupt offsets)")
 
 
-def _verify_blocks(tokens: np.memmap, m: dict, tpath: Path, verify: str):
-    """Blocks of tokens.bin against their hashes and the vocabulary, read with read() (not through
-    the memory map, whose pages would stay in this process's resident set)."""
+def _verify_blocks(tokens: np.memmap, m: dict, tpath: Path, verify: str, tokenizer):
+    """Blocks of tokens.bin against their hashes, the vocabulary and the special ids (tokenize
+    refuses them since stop 41; a corpus written before by a tokenizer that encodes '<eos>' as a
+    word would hold them), read with read() (not through the memory map, whose pages would stay in
+    this process's resident set)."""
     size, block = len(tokens) * tokens.dtype.itemsize, m["block_bytes"]
     n = len(m["block_sha256"])
     if verify == "full" or size <= VERIFY_ALL_BYTES:
@@ -550,10 +552,12 @@ def _verify_blocks(tokens: np.memmap, m: dict, tpath: Path, verify: str):
     with open(tpath, "rb") as fh:
         for b in which:
             fh.seek(b * block)
-            _verify_block(fh.read(block), b, block, m, tpath, V, tokens.dtype)
+            ids = _verify_block(fh.read(block), b, block, m, tpath, V, tokens.dtype)
+            check_no_special_ids(ids, tokenizer, where=f"{_shown(tpath, True)} (block {b})")
 
 
-def _verify_block(part: bytes, b: int, block: int, m: dict, tpath: Path, V: int, dtype):
+def _verify_block(part: bytes, b: int, block: int, m: dict, tpath: Path, V: int, dtype) -> np.ndarray:
+    """The ids of block b, checked against its hash and the vocabulary."""
     if hashlib.sha256(part).hexdigest() != m["block_sha256"][b]:
         raise ValueError(f"{_shown(tpath, True)}: block {b} (bytes {b * block}..{b * block + len(part) - 1}) does "
                          f"not match its SHA-256 in {MANIFEST} (the file changed or is corrupt); tokenize the "
@@ -562,6 +566,7 @@ def _verify_block(part: bytes, b: int, block: int, m: dict, tpath: Path, V: int,
     if len(ids) and int(ids.max()) >= V:
         raise ValueError(f"{_shown(tpath, True)}: token id {int(ids.max())} is outside the vocabulary "
                          f"0..{V - 1}")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------

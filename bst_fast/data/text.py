@@ -499,10 +499,17 @@ class _Rows:
     def read(self, at) -> np.ndarray:
         """The content ids at positions `at` of the flat array (checked against self.limit)."""
         ids = self.flat[at]
-        if self.limit is not None and len(ids) and int(ids.max()) >= self.limit[0]:
-            k = int(np.argmax(ids >= self.limit[0]))
-            raise ValueError(f"{self.limit[1]}: token id {int(ids[k])} is outside the vocabulary "
-                             f"0..{self.limit[0] - 1} (the token file is corrupt; tokenize the corpus again)")
+        if self.limit is not None and len(ids):
+            if int(ids.max()) >= self.limit[0]:
+                k = int(np.argmax(ids >= self.limit[0]))
+                raise ValueError(f"{self.limit[1]}: token id {int(ids[k])} is outside the vocabulary "
+                                 f"0..{self.limit[0] - 1} (the token file is corrupt; tokenize the corpus again)")
+            special = (ids == self.pad_id) | (ids == self.bos_id) | (ids == self.eos_id)
+            if special.any():  # a corpus tokenised before tokenize refused them (stop 41), in a block not verified
+                v = int(ids[int(special.argmax())])
+                raise ValueError(f"{self.limit[1]}: token id {v} inside a document is a special id (PAD, BOS or "
+                                 f"EOS): the corpus was tokenised by a tokenizer whose model encodes text as "
+                                 f"them; tokenize it again with one that cannot (train_bpe's)")
         return ids
 
     def gather(self, index):
