@@ -174,6 +174,20 @@ def cmd_generate(args):
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
     bst = cfg.method == "bst"
+    if bst and (cfg.next_weight == 0 or cfg.gamma == 1):
+        # every search draws or scores with the Next head; decoding with the GPT head is not built
+        raise ValueError(f"this BST checkpoint's Next head was not trained ({'next_weight 0' if cfg.next_weight == 0 else 'gamma 1'}), "
+                         f"and generate decodes with it")
+    if cfg.method in ("fim", "teacherless") and prompt[-1] != codec.tok.answer_id:
+        # FIM trained on [... / s g | n_j .. n_l =] then the whole path; teacherless on dummies after '='
+        raise ValueError(f"a {cfg.method} star-graph prefix must end with '=' (the model was trained on no path "
+                         f"nodes after it)")
+    if cfg.method == "fim" and not goal:
+        # without a suffix FIM is given the goal, as its evaluation is ([... / s g | g =]): a prompt
+        # without '| suffix' never came in training
+        if len(prompt) < 3 or not 0 <= prompt[-2] < codec.tok.n_nodes:
+            raise ValueError("a fim star-graph prefix ends with its goal node and '=' (... / s g =)")
+        goal = [prompt[-2]]
     # a BST plans toward a goal; a FIM model reads it in its prompt and decodes greedily
     search = args.search or ("plan" if (goal and bst) or args.rollouts is not None else "greedy")
     if search == "plan" and not bst:
@@ -182,8 +196,6 @@ def cmd_generate(args):
         raise ValueError(f"a model of method '{cfg.method}' cannot read a --suffix (use a BST or a FIM checkpoint)")
     if goal and cfg.method == "fim":
         # FIM reads its goal in front of the answer: [... / s g | suffix =]
-        if prompt[-1] != codec.tok.answer_id:
-            raise ValueError("a FIM star-graph prefix must end with '='")
         prompt, goal = prompt[:-1] + [codec.tok.edge_sep_id] + goal + [prompt[-1]], []
     # star graphs: the rest of the path, which a goal (its last nodes) ends; text: 32 tokens, or
     # what the model's positions leave after the prompt, the goal and EOS

@@ -446,6 +446,33 @@ def test_generate_cli_fim_reads_the_suffix_in_its_prompt(tmp_path, capsys):
         capsys.readouterr().err
     out = capsys.readouterr().out
     assert "| 4 =" in out.splitlines()[0] and len(out.splitlines()[1].split()) == 1 + 3  # the whole path
+    # without --suffix it is given the goal (as its evaluation is): the prompt FIM trained on
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", prefix]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == out
+    for bad in (prefix + " 0", "="):  # path nodes after '=' (never in training); no goal before it
+        assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", bad]) == 2
+        assert "a fim star-graph prefix" in capsys.readouterr().err
+
+
+def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, capsys):
+    """A teacherless model's prompt ends at '=' (dummies follow it in training); a BST whose Next
+    head got no gradient (next_weight 0, or gamma 1) is not decoded with that head. A star-graph BST
+    run that would evaluate such a head is refused before it trains."""
+    train(tiny(tmp_path / "tl", method="teacherless", steps=2, eval_every=2, ckpt_every=0))
+    prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
+    assert main(["generate", "--checkpoint", str(tmp_path / "tl"), "--prefix", prefix]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "tl"), "--prefix", prefix + " 0"]) == 2
+    assert "a teacherless star-graph prefix must end with '='" in capsys.readouterr().err
+    for field, value in (("next_weight", 0.0), ("gamma", 1.0)):
+        with pytest.raises(ValueError, match=f"config field '{field}' must be .* for a star-graph BST"):
+            tiny(tmp_path / "x", **{field: value}).check()
+    corpus = tmp_path / "t.txt"
+    corpus.write_text("\n\n".join(f"a cat {w} the ball" for w in ("saw", "found", "lost", "kicked")) + "\n")
+    train(tiny(tmp_path / "nw0", data=str(corpus), text_vocab=280, max_len=16, steps=1, batch_size=2, eval_every=0,
+               ckpt_every=0, next_weight=0.0, gamma=0.5))
+    assert main(["generate", "--checkpoint", str(tmp_path / "nw0"), "--prefix", "a cat"]) == 2
+    assert "Next head was not trained (next_weight 0)" in capsys.readouterr().err
 
 
 def test_generate_cli_errors(star_ckpt, tmp_path, capsys):

@@ -657,6 +657,22 @@ def test_a_read_only_lock_file_is_replaced_unless_held(run_copy):
     assert lock.stat().st_mode & 0o200 and lock.stat().st_nlink == 1 and lock.read_text().isdigit()
 
 
+def test_a_lock_file_nobody_may_open_is_a_clear_error_and_kept(run_copy):
+    """A lock file of mode 000 in a writable folder: not replaced (a run that opened it before its
+    mode changed may hold its lock still), but one error line naming the file and the fix (it was a
+    bare PermissionError)."""
+    d = run_copy
+    (d / LOCK).write_text("123")
+    (d / LOCK).chmod(0o000)
+    proc = subprocess.run(unprivileged(sys.executable, "-m", "bst_fast", "train", "--config", TINY, "--set",
+                                       f"out_dir={d}", "--set", "steps=8", "--resume"),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "the run's lock file) can be neither read nor written" in proc.stderr \
+        and "chmod 644" in proc.stderr, proc.stderr
+    assert (d / LOCK).stat().st_mode & 0o777 == 0 and latest_checkpoint(d).name != "step-00000008"
+
+
 def test_a_finished_run_in_a_read_only_folder_is_reported_and_exits_0(run_copy):
     """An archived run, read-only (review: its lock file was opened for writing: PermissionError, exit
     1): a finished run is reported under a shared lock, which still stops at, and stops, a run
