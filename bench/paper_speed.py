@@ -36,7 +36,8 @@ Per column: it/s as 1 / the median step time of --steps timed steps after --warm
 step timed with CUDA events on a GPU, the host clock on a CPU), and the whole timed loop's it/s
 beside it; tokens/s (B L per step, as the trainer counts); the peak memory (GPU: the CUDA
 allocator's max_memory_allocated over the column; CPU: the growth of the process's RSS over
-building the run and its warm-up steps, sampled every ms, or null); model TFLOP/s (`step_flops`);
+building the run and its warm-up steps, sampled every ms, or null; the process's one-off growth is
+paid before the first column, in an untimed step of its run); model TFLOP/s (`step_flops`);
 and the time of each phase, from marks at the record_function ranges of `train_step` ("forward",
 "backward", "optimizer") and of `BeliefStateTransformer.forward` ("encoders", "pair_loss"). The
 fused pair-loss backends compute the loss's gradient inside its forward, so "pair loss" holds
@@ -316,9 +317,10 @@ def timed_steps(run: Run, first: int, n: int, nvtx: bool = False) -> StepClock:
 
 
 def phase_table(per_step: List[Dict[str, float]]) -> Dict[str, Optional[float]]:
-    """Median ms per phase over the steps: the model's ranges, the rest of the forward (the GPT's
-    whole forward; the BST's reversal of rows and its GPT head), backward, optimizer (clipping,
-    AdamW, the schedule) and other (the batch and its copy to the device, seeding, zero_grad)."""
+    """Median ms per phase over the steps: the model's ranges ("encoders" holds the BST's reversal
+    of rows too), the rest of the forward (the GPT's whole forward; the BST's batch checks, its GPT
+    head's loss and the objective's wrapper), backward, optimizer (clipping, AdamW, the schedule)
+    and other (the batch and its copy to the device, seeding, zero_grad)."""
     def med(values):
         return statistics.median(values) if values else None
 
@@ -556,10 +558,12 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
               if c.get("variant") and not c["error"]
               and not (base := by_slug.get(c["slug"].split("+")[0], {})).get("error", True)]
     if ratios:
-        lines += ["", "Each variant's it/s over its column's with the switches in force: " + ", ".join(ratios) + "."]
+        lines += ["", "Each variant's it/s over its column's with the switches in force (one run each, back to "
+                  "back, not interleaved: indicative; bench/levers.py interleaves its reps): " + ", ".join(ratios) + "."]
     lines += ["", "Phases, ms (medians over the timed steps; \"pair loss\" includes the loss's gradient, which the "
-              "fused backends compute in the forward; \"rest of forward\" is the GPT's whole forward, the BST's "
-              "row reversal and GPT head; \"other\": the batch, its copy to the device, zero_grad):", "",
+              "fused backends compute in the forward; \"encoders\" holds the BST's row reversal; \"rest of forward\" "
+              "is the GPT's whole forward, the BST's batch checks and GPT head's loss; \"other\": the batch, its "
+              "copy to the device, zero_grad):", "",
               "| | encoders | pair loss | rest of forward | backward | optimizer | other | step |",
               "| --- " * 8 + "|"]
     for c in columns:
@@ -650,6 +654,11 @@ def main(argv=None) -> int:
     print(f"device: {device}  torch {torch.__version__}  shape {shape_name}  {steps} timed steps after {warmup}",
           flush=True)
     task = SyntheticText(shape["vocab"], shape["T"])
+    if a.device == "cpu" and configs:
+        # the process's one-off growth (allocator arenas, libraries set up lazily at a first step) paid
+        # here, untimed: the first column's RSS growth would hold it, and no other column's does
+        with contextlib.suppress(Exception):  # a column that fails says so when it runs
+            train_step(build_column_run(configs[0], task, a.device), 0)
     results: List[Dict[str, Any]] = []
     for column, cfg in zip(columns, configs):
         # the GPT column has no pair loss; a variant of the subsample's switches alone skips all-pairs columns
@@ -664,9 +673,12 @@ def main(argv=None) -> int:
                 print(f"   {r['it_per_s']:.3g} it/s (whole loop {r['it_per_s_wall']:.3g}), "
                       f"{r['tokens_per_s']:.3g} tokens/s, peak {fmt(r['peak_mem_mb'], '.0f')} MB, "
                       f"{r['tflops']:.3g} TFLOP/s, loss {r['loss']:.4f}", flush=True)
-            # written after every column: a run cut short keeps what it finished
-            (out / "paper_speed.json").write_text(json.dumps(dict(meta, columns=results), indent=1))
-            (out / "paper_speed.md").write_text(markdown(meta, results))
+            # written after every column, each file whole (gpu.sh kills a step at its timeout): a run cut
+            # short keeps what it finished
+            for name, text in (("paper_speed.json", json.dumps(dict(meta, columns=results), indent=1)),
+                               ("paper_speed.md", markdown(meta, results))):
+                (out / f"{name}.part").write_text(text)
+                (out / f"{name}.part").replace(out / name)
     print("\n" + markdown(meta, results))
     print(f"wrote {out / 'paper_speed.json'} and {out / 'paper_speed.md'}")
     return 1 if any(r["error"] for r in results) else 0

@@ -78,7 +78,7 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     pruned. `log`: the logging interval still open at `step` (each rank's loss sum and the steps in
     it), when the run stops between two logged steps; `logged`: how many steps metrics.csv has rows
     for (a resume checks that none went missing); `task`: writes its files (a text run's
-    tokenizer) into the checkpoint. `best`: {"metric", "value", "step"} saves the run's best
+    tokenizer) into the checkpoint. `best`: {"metric", "value", "step", "world"} saves the run's best
     checkpoint instead, checkpoints/best (best.json records the figure), which `latest` never names
     and pruning never touches.
 
@@ -166,12 +166,13 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     return final
 
 
-def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig) -> Optional[float]:
-    """The figure of out_dir's best checkpoint for `metric`, for a run (config `cfg`) resumed from
-    `step`, or None. A best saved after `step` counts when its config is cfg but for changes that
-    leave the trajectory as it was (SAME_TRAJECTORY_CHANGES: the resume retraces the steps that made
-    it; dropping it let a worse figure replace it); otherwise it belongs to a trajectory the resume
-    replaces. A best.json that fails its checksum or holds no finite figure is named on stderr and
+def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 1) -> Optional[float]:
+    """The figure of out_dir's best checkpoint for `metric`, for a run (config `cfg`, `world` ranks)
+    resumed from `step`, or None. A best saved after `step` counts when its config is cfg but for
+    changes that leave the trajectory as it was (SAME_TRAJECTORY_CHANGES: the resume retraces the
+    steps that made it; dropping it let a worse figure replace it) and it was made by as many ranks
+    (best.json's "world"; another count sums the batch in another order); otherwise it belongs to
+    a trajectory the resume replaces. A best.json that fails its checksum or holds no finite figure is named on stderr and
     counts as none (a new best replaces it)."""
     best = Path(out_dir) / "checkpoints" / BEST
     if not (best / BEST_JSON).is_file():
@@ -188,6 +189,8 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig) -> Optional[f
             verify(best, only=CONFIG)
             then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
             if config_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
+                return None
+            if int(saved.get("world", world)) != world:  # a best.json from before stop 42 holds none
                 return None
         return value
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

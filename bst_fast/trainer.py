@@ -426,7 +426,7 @@ def _ready(run: Run, start: int, end: int, state: Dict[str, Any]):
         run.bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.method}", dynamic_ncols=True)
     run.last_good = from_rank0(world, rank, lambda: latest_checkpoint(cfg.out_dir))  # named in every rank's faults
     # _keep_best runs on rank 0 alone, and a damaged best.json is named once
-    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start, cfg) if cfg.keep_best and rank == 0 else None
+    run.best = best_so_far(cfg.out_dir, cfg.keep_best, start, cfg, world) if cfg.keep_best and rank == 0 else None
     # An interval a stop_at left open comes back from the checkpoint, so the row that closes it is
     # the uninterrupted run's.
     run.loss_sum, open_log = torch.zeros((), device=device), state.get("log")
@@ -455,7 +455,7 @@ def _keep_best(run: Run, done: int, row: Dict[str, float]):
         return
     value, lower = row[metric], metric.endswith("loss")
     if run.best is None or (value < run.best if lower else value > run.best):
-        _save(run, done, keep=0, best={"metric": metric, "value": value, "step": done})
+        _save(run, done, keep=0, best={"metric": metric, "value": value, "step": done, "world": run.world})
         run.best = value
 
 

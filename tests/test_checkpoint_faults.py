@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bst_fast import train
+from bst_fast import TrainConfig, train
 from bst_fast import checkpoint
 from bst_fast.checkpoint import (BEST, BEST_JSON, CHECKSUMS, CheckpointWriteError, latest_checkpoint, remove_stale,
                                  save_checkpoint)
@@ -221,6 +221,12 @@ def test_a_best_saved_after_the_resumed_step_is_kept_on_the_same_trajectory(tmp_
         train(tiny(d, **opts))
     best = d / "checkpoints" / BEST / BEST_JSON
     assert json.loads(best.read_text())["step"] == 8 and latest_checkpoint(d).name == "step-00000006"
+    # made by one rank: a resume under another number of ranks sums its batches in another order
+    assert json.loads(best.read_text())["world"] == 1
+    resumed = TrainConfig.from_dict({**json.loads((d / "checkpoints" / "step-00000006" / "config.json").read_text()),
+                                     **change})  # as the trainer has it: the data's model fields set
+    assert checkpoint.best_so_far(d, "path_accuracy", 6, resumed, world=2) is None
+    assert checkpoint.best_so_far(d, "path_accuracy", 6, resumed, world=1) == (0.9 if kept else None)
     # step 8 scores 0.1 if evaluated again: only a dropped best lets it (and then 0.3) replace the 0.9
     _scripted_accuracy(monkeypatch, {**figures, 8: 0.1, 10: 0.1})
     train(tiny(d, **{**opts, **change}), resume=True)
