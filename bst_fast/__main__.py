@@ -174,10 +174,17 @@ def cmd_generate(args):
     if not prompt or prompt[0] != codec.bos_id:
         prompt = [codec.bos_id] + prompt
     bst = cfg.method == "bst"
-    if bst and (cfg.next_weight == 0 or cfg.gamma == 1):
-        # every search draws or scores with the Next head; decoding with the GPT head is not built
-        raise ValueError(f"this BST checkpoint's Next head was not trained ({'next_weight 0' if cfg.next_weight == 0 else 'gamma 1'}), "
-                         f"and generate decodes with it")
+    # a BST whose Next head got no gradient (the paper's improved BST: next_weight 0, gamma 0.9)
+    # decodes forward with its GPT head, as the paper's does
+    gpt = bst and (cfg.next_weight == 0 or cfg.gamma == 1)
+    if gpt:
+        untrained = "next_weight 0" if cfg.next_weight == 0 else "gamma 1"
+        if cfg.gamma == 0:
+            raise ValueError(f"this BST checkpoint trained neither its Next head ({untrained}) nor a GPT head "
+                             f"(gamma 0): nothing decodes forward")
+        if goal or args.search == "plan" or args.rollouts is not None:
+            raise ValueError(f"this BST checkpoint's Next head was not trained ({untrained}): generate decodes "
+                             f"with its GPT head, forward only (--search greedy, sample or beam, no --suffix)")
     if cfg.method in ("fim", "teacherless") and prompt[-1] != codec.tok.answer_id:
         # FIM trained on [... / s g | n_j .. n_l =] then the whole path; teacherless on dummies after '='
         raise ValueError(f"a {cfg.method} star-graph prefix must end with '=' (the model was trained on no path "
@@ -190,6 +197,8 @@ def cmd_generate(args):
         goal = [prompt[-2]]
     # a BST plans toward a goal; a FIM model reads it in its prompt and decodes greedily
     search = args.search or ("plan" if (goal and bst) or args.rollouts is not None else "greedy")
+    if gpt:
+        model = decode.searcher(model, head="gpt")
     if search == "plan" and not bst:
         raise ValueError(f"planning needs a BST checkpoint; this one is '{cfg.method}' (use --search greedy, sample or beam)")
     if goal and not bst and cfg.method != "fim":

@@ -118,20 +118,24 @@ class _Cache:
 
 
 class ForwardSearch:
-    """The search interface for a forward-only model (e.g. a FIM model: its goal is in the prompt)."""
+    """The search interface for a forward-only model (e.g. a FIM model: its goal is in the prompt),
+    or for a BST's GPT head on its forward encoder (`head`: model.gpt; searcher(model, head="gpt")):
+    the paper's improved BST (gamma 0.9, next_weight 0) decodes forward with it."""
 
-    def __init__(self, model):
+    def __init__(self, model, head: Optional[nn.Module] = None):
         self.model, self.cache = model, _Cache(model.forward_encoder)
+        self.head = model.lm_head if head is None else head
 
     @torch.no_grad()
     def start(self, prefix, goal=()):
         if len(_ids(goal, "goal")):
-            raise ValueError("a forward-only model takes no goal; put it in the prompt (FIM format)")
-        return self.model.lm_head(self.cache.start(prefix.to(_device(self.model))))
+            raise ValueError("a forward-only model (or a BST's GPT head) takes no goal; put it in the prompt "
+                             "(FIM format)")
+        return self.head(self.cache.start(prefix.to(_device(self.model))))
 
     @torch.no_grad()
     def step(self, tokens):
-        return self.model.lm_head(self.cache.step(tokens.to(_device(self.model))))
+        return self.head(self.cache.step(tokens.to(_device(self.model))))
 
     def reorder(self, index):
         self.cache.reorder(index)
@@ -195,12 +199,20 @@ def _score_dtype(logits):
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def searcher(model, eos_id: Optional[int] = None):
-    """The search interface for a model; an object that already has one is returned as it is."""
+def searcher(model, eos_id: Optional[int] = None, head: str = "next"):
+    """The search interface for a model; an object that already has one is returned as it is.
+    head: "next" (a BST's Next head on (F(prefix), B(goal))) or "gpt" (a BST's GPT head on
+    F(prefix) alone, forward only: no goal, no scoring; for a BST trained with next_weight 0)."""
+    if head not in ("next", "gpt"):
+        raise ValueError(f"head must be 'next' or 'gpt', got {short(head)}")
     if all(hasattr(model, name) for name in ("start", "step", "score")):
         return model
     if hasattr(model, "dummy_id"):
         raise ValueError("a Teacherless model predicts its whole answer in one pass: use model.generate")
+    if head == "gpt":
+        if getattr(model, "gpt", None) is None:
+            raise ValueError("head='gpt' needs a Belief State Transformer with a GPT head (ModelConfig.gpt_head)")
+        return ForwardSearch(model, head=model.gpt)
     if hasattr(model, "head"):
         if eos_id is None:
             raise ValueError("a Belief State Transformer needs eos_id (its empty suffix is B(EOS))")

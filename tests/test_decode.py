@@ -456,8 +456,8 @@ def test_generate_cli_fim_reads_the_suffix_in_its_prompt(tmp_path, capsys):
 
 def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, capsys):
     """A teacherless model's prompt ends at '=' (dummies follow it in training); a BST whose Next
-    head got no gradient (next_weight 0, or gamma 1) is not decoded with that head. A star-graph BST
-    run that would evaluate such a head is refused before it trains."""
+    head got no gradient (next_weight 0, or gamma 1) is decoded with its GPT head, forward only, not
+    with that head. A star-graph BST run that would evaluate such a head is refused before it trains."""
     train(tiny(tmp_path / "tl", method="teacherless", steps=2, eval_every=2, ckpt_every=0))
     prefix = "0 1 | 1 2 | 0 3 | 3 4 / 0 4 ="
     assert main(["generate", "--checkpoint", str(tmp_path / "tl"), "--prefix", prefix]) == 0, capsys.readouterr().err
@@ -469,10 +469,34 @@ def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, cap
             tiny(tmp_path / "x", **{field: value}).check()
     corpus = tmp_path / "t.txt"
     corpus.write_text("\n\n".join(f"a cat {w} the ball" for w in ("saw", "found", "lost", "kicked")) + "\n")
-    train(tiny(tmp_path / "nw0", data=str(corpus), text_vocab=280, max_len=16, steps=1, batch_size=2, eval_every=0,
-               ckpt_every=0, next_weight=0.0, gamma=0.5))
-    assert main(["generate", "--checkpoint", str(tmp_path / "nw0"), "--prefix", "a cat"]) == 2
-    assert "Next head was not trained (next_weight 0)" in capsys.readouterr().err
+    train(tiny(tmp_path / "nw0", data=str(corpus), text_vocab=280, max_len=16, steps=3, batch_size=2, eval_every=0,
+               ckpt_every=0, next_weight=0.0, gamma=0.9))  # the paper's improved BST: decoded with its GPT head
+    args = ["generate", "--checkpoint", str(tmp_path / "nw0"), "--prefix", "a cat"]
+    for flags in (["--suffix", "ball"], ["--search", "plan"], ["--rollouts", "3"]):
+        assert main(args + flags) == 2
+        assert "Next head was not trained (next_weight 0): generate decodes with its GPT head" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(args + ["--search", "greedy", "--horizon", "4"]) == 0, capsys.readouterr().err
+    got = capsys.readouterr().out.split("\n")[1]  # not splitlines: a byte token may decode as \\x0b
+    # greedy with the GPT head on F(prefix), every step re-encoding the whole row (no cache)
+    from bst_fast.checkpoint import load_model
+    from bst_fast.data import load_tokenizer
+
+    model, _ = load_model(tmp_path / "nw0")
+    tok = load_tokenizer(tmp_path / "nw0" / "tokenizer.json")
+    seq = [tok.token_to_id("<bos>")] + tok.encode("a cat", add_special_tokens=False).ids
+    new = []
+    with torch.no_grad():
+        for _ in range(4):
+            nxt = int(model.gpt(model.prefix_states(torch.tensor([seq + new]))[0, -1]).argmax())
+            new.append(nxt)
+    eos = tok.token_to_id("<eos>")
+    new = new[:new.index(eos)] if eos in new else new
+    assert got == "generated: " + tok.decode(new)
+    with pytest.raises(ValueError, match="head='gpt' needs a Belief State Transformer with a GPT head"):
+        decode.searcher(tiny_bst(), head="gpt")
+    with pytest.raises(ValueError, match="takes no goal"):
+        decode.sample(decode.searcher(model, head="gpt"), torch.tensor([seq]), 2, goal=[5])
 
 
 def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
