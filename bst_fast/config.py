@@ -221,14 +221,12 @@ class TrainConfig:
             bad("next_weight", "in [0, 1]")
         if not 0.0 <= self.gamma <= 1.0:
             bad("gamma", "in [0, 1]")
-        # A star-graph BST's evaluation decodes paths with the Next head on (f, B(EOS)): a run that
-        # gives it no gradient would report (and keep_best pick by) an untrained head's accuracy.
-        if self.data == "star" and self.method == "bst" and self.next_weight == 0:
-            bad("next_weight", "> 0 for a star-graph BST (its evaluation decodes paths with the Next head, which "
-                "next_weight 0 leaves untrained)")
-        if self.data == "star" and self.method == "bst" and self.gamma == 1:
-            bad("gamma", "< 1 for a star-graph BST (its evaluation decodes paths with the Next head, which gamma 1 "
-                "leaves untrained: the belief loss's weight is 1 - gamma)")
+        # A star-graph BST's evaluation decodes paths with the Next head on (f, B(EOS)), or with the
+        # GPT head when the Next head gets no gradient (next_weight 0, gamma 1): a run that trains
+        # neither would report (and keep_best pick by) an untrained head's accuracy.
+        if self.data == "star" and self.method == "bst" and self.next_weight == 0 and self.gamma == 0:
+            bad("next_weight", "> 0, or gamma > 0, for a star-graph BST (its evaluation decodes paths with the "
+                "Next head, or the GPT head when next_weight is 0: with both 0 neither is trained)")
         for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
             if not math.isfinite(getattr(self, name)):
                 bad(name, "a finite number")

@@ -17,7 +17,7 @@ import torch
 
 from ._pairs import pair_counts, sample_counts
 from .config import TrainConfig
-from .decode import sample
+from .decode import sample, searcher
 from .files import atomic_write
 from .model import BeliefStateTransformer, ForwardOnly, Teacherless, next_token_mask
 
@@ -107,6 +107,9 @@ class StarTask:
         self.vocab_size, self.max_len, self.eos_id = self.tok.vocab_size, self.data.row_length, self.tok.eos_id
         self.prefix_start = self.data.prefix_start
         self.seed, self.method, self.augment_prob = cfg.seed, cfg.method, cfg.augment_prob
+        # the head the evaluation decodes with: a BST's Next head, or its GPT head when the Next head
+        # got no gradient (next_weight 0 or gamma 1; the config refuses a run that trains neither)
+        self.decode_head = "gpt" if cfg.method == "bst" and (cfg.next_weight == 0 or cfg.gamma == 1) else "next"
         l = self.data.path_len
         if self.method == "fim":  # rows grow by "|" and a suffix of at most l - 1 path nodes
             self.max_len += l
@@ -173,7 +176,8 @@ class StarTask:
         def generate(prefix, n_new):
             if isinstance(model, Teacherless):  # one pass, not a search
                 return model.generate(prefix.to(device), n_new).cpu()
-            return sample(model, prefix.to(device), n_new, eos, temperature=0).cpu()
+            return sample(searcher(model, eos, head=self.decode_head), prefix.to(device), n_new, eos,
+                          temperature=0).cpu()
 
         right, failure = 0, None
         try:

@@ -464,9 +464,20 @@ def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, cap
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path / "tl"), "--prefix", prefix + " 0"]) == 2
     assert "a teacherless star-graph prefix must end with '='" in capsys.readouterr().err
-    for field, value in (("next_weight", 0.0), ("gamma", 1.0)):
-        with pytest.raises(ValueError, match=f"config field '{field}' must be .* for a star-graph BST"):
-            tiny(tmp_path / "x", **{field: value}).check()
+    with pytest.raises(ValueError, match="config field 'next_weight' must be > 0, or gamma > 0, for a star-graph BST"):
+        tiny(tmp_path / "x", next_weight=0.0).check()
+    # with gamma > 0 the evaluation decodes with the GPT head, and reads no Next head
+    from bst_fast.tasks import StarTask, build_model, model_config
+
+    for changes, want in (({"next_weight": 0.0, "gamma": 0.9}, "gpt"), ({"gamma": 1.0}, "gpt"), ({"gamma": 0.5}, "head")):
+        cfg = tiny(tmp_path / "x", **changes).check()
+        task = StarTask(cfg)
+        model = build_model(model_config(cfg, task))
+        calls = {"gpt": 0, "head": 0}
+        for name in calls:
+            getattr(model, name).register_forward_hook(lambda *a, name=name: calls.__setitem__(name, calls[name] + 1))
+        assert 0 <= task.evaluate(model, "cpu")["path_accuracy"] <= 1
+        assert calls[want] > 0 and calls[{"gpt": "head", "head": "gpt"}[want]] == 0, (changes, calls)
     corpus = tmp_path / "t.txt"
     corpus.write_text("\n\n".join(f"a cat {w} the ball" for w in ("saw", "found", "lost", "kicked")) + "\n")
     train(tiny(tmp_path / "nw0", data=str(corpus), text_vocab=280, max_len=16, steps=3, batch_size=2, eval_every=0,

@@ -276,7 +276,7 @@ def test_keep_best_saves_the_best_evaluation_and_survives_resume(tmp_path, monke
     opts = dict(steps=10, eval_every=2, ckpt_every=2, keep_checkpoints=1, keep_best="path_accuracy")
     train(tiny(d, **opts), stop_at=6)
     best = json.loads((d / "checkpoints" / "best" / "best.json").read_text())
-    assert best == {"metric": "path_accuracy", "value": 0.6, "step": 4}
+    assert best == {"metric": "path_accuracy", "value": 0.6, "step": 4, "world": 1}
     model, cfg = load_model(d / "checkpoints" / "best")  # a complete, verified checkpoint
     assert latest_checkpoint(d).name == "step-00000006"
     train(tiny(d, **opts), resume=True)  # 0.5 at step 8 does not beat 0.6; 0.9 at step 10 does
