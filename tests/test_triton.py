@@ -1110,3 +1110,27 @@ def test_side_gradients_are_contiguous_whatever_f_is():
     gf, gb = torch.autograd.grad(loss_fn(fT, bT), [fT, bT])
     wf, wb = torch.autograd.grad(belief_state_loss(f.requires_grad_(), b.requires_grad_(), tokens, head, backend="triton"), [f, b])
     assert _rel(gf, wf) < 1e-6 and _rel(gb, wb) < 1e-6
+
+
+@pytest.mark.parametrize("V, K, refused", [(262144, 4096, True), (262144, 4095, False), (131072, 8192, True),
+                                           (65536, 16384, True), (65536, 16376, False)])
+def test_the_fused_last_layer_refuses_what_its_32_bit_offsets_cannot_reach(V, K, refused):
+    """pair_logits_ce_kernel forms W's in-block offsets (up to 2 hoff * K elements) in int32 (every
+    other kernel's large offsets are int64: helper-72's audit of the compiled sm_90 code); its
+    wrapper refuses a W past that, naming the switch, on the meta device (nothing allocated)."""
+    from bst_fast.backends.launch import logits_ce_config
+    from bst_fast.kernels.logits_cross_entropy import pair_logits_cross_entropy_
+
+    cfg = logits_ce_config("cuda", torch.bfloat16, K)
+    H = torch.empty(8, K, dtype=torch.bfloat16, device="meta")
+    W = torch.empty(2 * V, K, dtype=torch.bfloat16, device="meta")
+    c = torch.empty(2 * V, dtype=torch.bfloat16, device="meta")
+    rows = torch.empty(16, dtype=torch.float32, device="meta")
+    try:
+        pair_logits_cross_entropy_(H, W, c, None, None, None, 0, 0.5, 1.0, False, rows, None, cfg, False, V)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    except Exception:  # past the guard: the launch itself cannot run on the meta device
+        error = ""
+    assert ("past the kernel's 32-bit offsets: turn fused_ce off" in error) == refused, error
