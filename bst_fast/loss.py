@@ -88,7 +88,11 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         reduction: "mean" (divide by |P|), "sum", or "row_mean" (each row's mean over its pairs, then
             the mean over the B rows, a row with no pair adding 0: docs/contract.md §9). A batch with no
             valid pair raises for "mean" and gives 0 (zero gradients) for "sum" and "row_mean".
-        generator: the torch.Generator the subsample is drawn from.
+        generator: the torch.Generator the subsample is drawn from. Under activation checkpointing
+            around this call, the recomputation draws again from the generator's later state (torch
+            restores the global RNG, not a generator passed in): the gradients would then belong to
+            another subsample than the loss. Pass generator=None there, or draw the (row, i, j)
+            triple outside the checkpointed function.
         backend: "auto" (triton on a GPU, cpp on the CPU, torch for other heads or float64,
             reference for a head with a backward hook), "reference", "torch", "cpp" or "triton"
             (see bst_fast.backends).

@@ -296,9 +296,10 @@ def checked_batch(tokens, lengths, documents, vocab_size, values: bool = True):
 
 
 # what forward's totals must be (the pair_total wording is the one the trainer's tests have long matched)
-TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count; 0: it has no valid pair at all)",
-          "token_total": "a finite number > 0 (the whole batch's next-token target count)",
-          "row_total": "a finite number > 0 (the whole batch's row count)"}
+TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count over the DDP ranks; 0: it has no valid "
+                        "pair at all)",
+          "token_total": "a finite number > 0 (the whole batch's next-token target count over the DDP ranks)",
+          "row_total": "a finite number > 0 (the whole batch's row count over the DDP ranks)"}
 
 
 def check_total(name: str, value):
@@ -444,7 +445,9 @@ class BeliefStateTransformer(nn.Module):
         max_gap, meet_token, documents, next_weight, reduction "mean" or "row_mean") are
         belief_state_loss's; with `documents` (packed rows) the encoders read each document alone.
         pair_total / token_total / row_total replace the batch's own pair, token and row counts as
-        the mean's divisor (set by the trainer, so that ranks and micro-batches average exactly)."""
+        the mean's divisor (set by the trainer, so that ranks and micro-batches average exactly): the
+        whole global batch's count divided by the number of ranks DDP averages the gradients over
+        (|P| / world; a loop that sums micro-batches on one rank divides by the batch's whole |P|)."""
         check_reduction(reduction)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")

@@ -356,6 +356,35 @@ def test_auto_falls_back_to_torch(monkeypatch):
     assert calls == ["torch", "torch"]
 
 
+def test_torch_func_transforms_take_the_reference(monkeypatch):
+    """Inside torch.func (grad, vmap) the fused backends' autograd.Functions had no functorch rule
+    and failed with torch's own message naming nothing of ours (review helper-73): auto takes the
+    reference there (its gradients equal eager autograd's), a fused backend asked for by name is a
+    ValueError naming the way out; functional_call, not a transform, keeps the fused backend."""
+    from torch.func import functional_call, grad
+
+    calls = _spy(monkeypatch)
+    f, b, tokens, head = make_inputs(seed=525, dtype=torch.float64)
+    params = {k: v.detach() for k, v in head.named_parameters()}
+    wrap = BeliefStateLoss(head)
+
+    def loss(p, f_, b_):
+        return functional_call(wrap, {"head." + k: v for k, v in p.items()}, (f_, b_, tokens))
+
+    got = grad(loss, argnums=(0, 1, 2))(params, f, b)
+    assert calls == ["reference"]
+    want = loss_and_grads(f.clone(), b.clone(), tokens, head, 1.0)[1]
+    want = [want["f"], want["b"], *(want[k] for k, _ in head.named_parameters())]
+    got = [got[1], got[2], *(got[0][k] for k, _ in head.named_parameters())]
+    assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-12
+    f32, b32, _, head32 = make_inputs(seed=525)
+    with pytest.raises(ValueError, match=r"backend 'cpp' cannot run inside a torch.func transform .*backend='reference'"):
+        grad(lambda x: belief_state_loss(x, b32, tokens, head32, backend="cpp"))(f32)
+    calls.clear()
+    belief_state_loss(f32.requires_grad_(), b32, tokens, head32).backward()
+    assert calls == ["cpp"]
+
+
 def test_cpp_rejects_other_heads_and_float64():
     f, b, tokens, head = make_inputs(seed=530)
     with pytest.raises(ValueError, match="TextHead"):

@@ -1633,3 +1633,44 @@ def test_a_head_whose_width_is_not_twice_its_vocabulary_is_refused_by_every_back
             belief_state_loss(f, b, tokens, head, backend=backend)
     with pytest.raises(ValueError, match="layers\\[-1\\] gives 12 logits, not 2 \\* vocab_size = 10"):
         belief_state_loss(f, b, tokens, head, backend="cpp")
+
+
+@pytest.mark.parametrize("kind", ["text", "swiglu"])
+def test_float16_torch_backend_under_saved_tensor_hooks(kind):
+    """float16 runs the torch backend's computation again in the backward (its gradients deferred),
+    which read the head's parameters from the saved tensors: under activation checkpointing
+    (use_reentrant=False) or save_on_cpu those are copies the head's forward never reads, and the
+    backward refused the head's own bias as a foreign leaf (review helper-73). The gradients equal
+    the eager ones, and an in-place change of a parameter before the backward is still caught."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    B, L, m, V = 2, 7, 4, 5
+    head = (TextHead(m, V, hidden=6) if kind == "text" else make_swiglu(m, V, hidden=8)).half()
+    f0 = torch.randn(B, L, m, dtype=torch.float16)
+    b0 = torch.randn(B, L, m, dtype=torch.float16)
+    tokens = torch.randint(0, V, (B, L))
+
+    def grads(wrap):
+        f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        wrap(lambda x, y: belief_state_loss(x, y, tokens, head, backend="torch"), f, b).backward()
+        return [f.grad, b.grad, *(p.grad for p in head.parameters())]
+
+    eager = grads(lambda fn, f, b: fn(f, b))
+    for wrap in (lambda fn, f, b: checkpoint(fn, f, b, use_reentrant=False),
+                 lambda fn, f, b: _with_copying_hooks(fn, f, b)):
+        got = grads(wrap)
+        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, eager))
+    f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    loss = belief_state_loss(f, b, tokens, head, backend="torch")
+    with torch.no_grad():
+        next(head.parameters()).add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def _with_copying_hooks(fn, f, b):
+    """fn(f, b) with saved-tensor hooks that unpack a copy (as save_on_cpu does for CUDA tensors)."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        return fn(f, b)

@@ -499,7 +499,10 @@ class _ChunkedLoss(torch.autograd.Function):
         if ctx.deferred:  # float16: the same computation again in the backward, as the forward ran it
             ctx.call, ctx.need, ctx.rng = call, need, rng
             ctx.autocast = torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)
-            ctx.save_for_backward(f, b, *params)
+            ctx.save_for_backward(f, b, *params)  # params saved too: autograd's check of in-place changes
+            # the head's own parameters, which its forward reads: a saved-tensor hook (checkpointing,
+            # save_on_cpu) unpacks copies, which it never reads (their gradients would be refused or lost)
+            ctx.params = params
         else:
             ctx.save_for_backward(*grads)
         return loss
@@ -509,7 +512,7 @@ class _ChunkedLoss(torch.autograd.Function):
         no_double_backward("torch")
         grads = ctx.saved_tensors
         if ctx.deferred:
-            f, b, *params = grads
+            f, b, params = grads[0], grads[1], ctx.params
             dev = ctx.call.tokens.device
             with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
                     torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
