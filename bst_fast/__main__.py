@@ -189,12 +189,19 @@ def cmd_generate(args):
         # FIM trained on [... / s g | n_j .. n_l =] then the whole path; teacherless on dummies after '='
         raise ValueError(f"a {cfg.method} star-graph prefix must end with '=' (the model was trained on no path "
                          f"nodes after it)")
-    if cfg.method == "fim" and not goal:
-        # without a suffix FIM is given the goal, as its evaluation is ([... / s g | g =]): a prompt
-        # without '| suffix' never came in training
-        if len(prompt) < 3 or not 0 <= prompt[-2] < codec.tok.n_nodes:
-            raise ValueError("a fim star-graph prefix ends with its goal node and '=' (... / s g =)")
-        goal = [prompt[-2]]
+    if cfg.method == "fim":
+        # a prompt in FIM form already ([... / s g | n_j .. n_l =]: '|' after the query's '/') is
+        # decoded as it is; otherwise FIM is given --suffix or, without one, the goal, as its
+        # evaluation is ([... / s g | g =]): a prompt without '| suffix' never came in training
+        tok = codec.tok
+        query = len(prompt) - 1 - prompt[::-1].index(tok.query_id) if tok.query_id in prompt else None
+        if query is not None and tok.edge_sep_id in prompt[query:]:
+            if goal:
+                raise ValueError("this fim prefix carries its suffix already ('| ... =' after '/'): leave out --suffix")
+        elif not goal:
+            if len(prompt) < 3 or not 0 <= prompt[-2] < tok.n_nodes:
+                raise ValueError("a fim star-graph prefix ends with its goal node and '=' (... / s g =)")
+            goal = [prompt[-2]]
     # a BST plans toward a goal; a FIM model reads it in its prompt and decodes greedily
     search = args.search or ("plan" if (goal and bst) or args.rollouts is not None else "greedy")
     if gpt:

@@ -190,7 +190,10 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
             then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
             if config_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
                 return None
-            if int(saved.get("world", world)) != world:  # a best.json from before stop 42 holds none
+            made_by = saved.get("world", world)  # a best.json from before stop 42 holds none
+            if isinstance(made_by, bool) or not isinstance(made_by, int) or made_by < 1:
+                raise ValueError(f"its world is {made_by!r}, not a number of ranks")
+            if made_by != world:
                 return None
         return value
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

@@ -206,6 +206,9 @@ def searcher(model, eos_id: Optional[int] = None, head: str = "next"):
     if head not in ("next", "gpt"):
         raise ValueError(f"head must be 'next' or 'gpt', got {short(head)}")
     if all(hasattr(model, name) for name in ("start", "step", "score")):
+        if head == "gpt" and not isinstance(model, ForwardSearch):
+            raise ValueError("head='gpt' picks the search interface of a model: pass the model, not a search "
+                             f"interface ({type(model).__name__})")
         return model
     if hasattr(model, "dummy_id"):
         raise ValueError("a Teacherless model predicts its whole answer in one pass: use model.generate")
@@ -224,7 +227,8 @@ def searcher(model, eos_id: Optional[int] = None, head: str = "next"):
 
 def _check_room(model, what, n_positions):
     """The positions an encoder reads (`what` names them) fit the model's max_len."""
-    limit = getattr(getattr(model, "cfg", None), "max_len", None) if isinstance(model, nn.Module) else None
+    module = model if isinstance(model, nn.Module) else getattr(model, "model", None)  # or a searcher's
+    limit = getattr(getattr(module, "cfg", None), "max_len", None) if isinstance(module, nn.Module) else None
     if limit is not None and n_positions > limit:
         raise ValueError(f"{what} ({n_positions} positions) exceed the model's max_len {limit}")
 

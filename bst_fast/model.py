@@ -296,10 +296,11 @@ def checked_batch(tokens, lengths, documents, vocab_size, values: bool = True):
 
 
 # what forward's totals must be (the pair_total wording is the one the trainer's tests have long matched)
-TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count over the DDP ranks; 0: it has no valid "
-                        "pair at all)",
-          "token_total": "a finite number > 0 (the whole batch's next-token target count over the DDP ranks)",
-          "row_total": "a finite number > 0 (the whole batch's row count over the DDP ranks)"}
+TOTALS = {"pair_total": "> 0, a finite number (the whole batch's pair count divided by the number of DDP ranks, "
+                        "|P| / world; 0: it has no valid pair at all)",
+          "token_total": "a finite number > 0 (the whole batch's next-token target count divided by the number of "
+                         "DDP ranks)",
+          "row_total": "a finite number > 0 (the whole batch's row count divided by the number of DDP ranks)"}
 
 
 def check_total(name: str, value):

@@ -344,9 +344,9 @@ class RunFolder:
                 fd, writable = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), False
             except PermissionError:
                 # not replaced: a run that opened it before its mode changed may hold its lock still
-                raise ValueError(f"{_cut(path)} (the run's lock file) can be neither read nor written by this "
-                                 f"process: give it back its permissions (chmod 644), or delete it when no run "
-                                 f"uses out_dir {_cut(self.path)}") from None
+                raise ValueError(f"{_cut(path)} (the run's lock file) cannot be opened by this process (its "
+                                 f"permissions refuse reading it): give it back its permissions (chmod 644), or "
+                                 f"delete it when no run uses out_dir {_cut(self.path)}") from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):

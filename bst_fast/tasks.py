@@ -176,7 +176,8 @@ class StarTask:
         def generate(prefix, n_new):
             if isinstance(model, Teacherless):  # one pass, not a search
                 return model.generate(prefix.to(device), n_new).cpu()
-            return sample(searcher(model, eos, head=self.decode_head), prefix.to(device), n_new, eos,
+            gpt = self.decode_head == "gpt"
+            return sample(searcher(model, eos, head="gpt") if gpt else model, prefix.to(device), n_new, eos,
                           temperature=0).cpu()
 
         right, failure = 0, None

@@ -452,6 +452,12 @@ def test_generate_cli_fim_reads_the_suffix_in_its_prompt(tmp_path, capsys):
     for bad in (prefix + " 0", "="):  # path nodes after '=' (never in training); no goal before it
         assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", bad]) == 2
         assert "a fim star-graph prefix" in capsys.readouterr().err
+    # a prompt in FIM form already is decoded as it is (it got a second suffix: '| 4 | 4 =')
+    fim = prefix[:-1] + "| 4 ="
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", fim]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == out
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prefix", fim, "--suffix", "4"]) == 2
+    assert "carries its suffix already" in capsys.readouterr().err
 
 
 def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, capsys):
@@ -508,6 +514,11 @@ def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, cap
         decode.searcher(tiny_bst(), head="gpt")
     with pytest.raises(ValueError, match="takes no goal"):
         decode.sample(decode.searcher(model, head="gpt"), torch.tensor([seq]), 2, goal=[5])
+    with pytest.raises(ValueError, match="pass the model, not a search interface"):
+        decode.searcher(decode.searcher(model, eos_id=eos), head="gpt")
+    # the model's max_len bounds the GPT head's search as it does the Next head's (max_len 16)
+    with pytest.raises(ValueError, match="exceed the model's max_len 16"):
+        decode.sample(decode.searcher(model, head="gpt"), torch.tensor([seq]), 40)
 
 
 def test_generate_cli_errors(star_ckpt, tmp_path, capsys):

@@ -1674,3 +1674,44 @@ def _with_copying_hooks(fn, f, b):
     """fn(f, b) with saved-tensor hooks that unpack a copy (as save_on_cpu does for CUDA tensors)."""
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
         return fn(f, b)
+
+
+@pytest.mark.parametrize("kind", ["text", "swiglu"])
+def test_float16_torch_backend_under_functional_call(kind):
+    """torch.func.functional_call swaps other tensors in for the forward and puts the head's own
+    back before the backward, which in float16 runs the computation again: it reran with the own
+    parameters and refused the swapped-in ones as foreign (review helper-75). The gradients now
+    equal those of a head holding the swapped-in values."""
+    from torch.func import functional_call
+
+    torch.manual_seed(1)
+    B, L, m, V = 2, 7, 4, 5
+    head = (TextHead(m, V, hidden=6) if kind == "text" else make_swiglu(m, V, hidden=8)).half()
+    f0 = torch.randn(B, L, m, dtype=torch.float16)
+    b0 = torch.randn(B, L, m, dtype=torch.float16)
+    tokens = torch.randint(0, V, (B, L))
+    values = {k: (v.detach() * 1.25).requires_grad_() for k, v in head.named_parameters()}
+    f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    wrap = _LossOf(head)
+    functional_call(wrap, {"head." + k: v for k, v in values.items()}, (f, b, tokens)).backward()
+    got = [f.grad, b.grad, *(values[k].grad for k, _ in head.named_parameters())]
+    twin = copy.deepcopy(head)
+    with torch.no_grad():
+        for k, q in twin.named_parameters():
+            q.copy_(values[k])
+    f2, b2 = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    belief_state_loss(f2, b2, tokens, twin, backend="torch").backward()
+    want = [f2.grad, b2.grad, *(q.grad for _, q in twin.named_parameters())]
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want))
+    assert all(q.grad is None for q in head.parameters())
+
+
+class _LossOf(nn.Module):
+    """belief_state_loss on the torch backend as a module's forward (for functional_call)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, f, b, tokens):
+        return belief_state_loss(f, b, tokens, self.head, backend="torch")

@@ -658,7 +658,7 @@ def test_a_read_only_lock_file_is_replaced_unless_held(run_copy):
 
 
 def test_a_lock_file_nobody_may_open_is_a_clear_error_and_kept(run_copy):
-    """A lock file of mode 000 in a writable folder: not replaced (a run that opened it before its
+    """A lock file of mode 000 (or 0200) in a writable folder: not replaced (a run that opened it before its
     mode changed may hold its lock still), but one error line naming the file and the fix (it was a
     bare PermissionError)."""
     d = run_copy
@@ -668,7 +668,7 @@ def test_a_lock_file_nobody_may_open_is_a_clear_error_and_kept(run_copy):
                                        f"out_dir={d}", "--set", "steps=8", "--resume"),
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "the run's lock file) can be neither read nor written" in proc.stderr \
+    assert proc.stderr.count("\n") == 1 and "the run's lock file) cannot be opened by this process" in proc.stderr \
         and "chmod 644" in proc.stderr, proc.stderr
     assert (d / LOCK).stat().st_mode & 0o777 == 0 and latest_checkpoint(d).name != "step-00000008"
 

@@ -175,6 +175,7 @@ class _Call:
     options: LossOptions
     split: Callable  # the head's pair_parts: (f, b, lengths) of some rows -> their PairParts
     grad_enabled: bool  # the caller's grad mode (inside forward it is always off)
+    head: torch.nn.Module  # whose parameters apply gave: a float16 backward reruns split with them in place
 
 
 def _parts(split, f, b, lengths) -> PairParts:
@@ -515,13 +516,28 @@ class _ChunkedLoss(torch.autograd.Function):
             f, b, params = grads[0], grads[1], ctx.params
             dev = ctx.call.tokens.device
             with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
-                    torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                    torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
+                    _as_in_forward(ctx.call.head, params):
                 _set_rng_state(ctx.rng, dev)  # a head's dropout draws what the forward drew
                 # (one read of grad_output: the chunks' scale)
                 grads = _compute(ctx.call, f, b, params, ctx.need, go=float(grad_loss))[1]
         out = [None if g is None else pair_loss_op.scaled(grad_loss, g).to(dt)
                for g, dt in zip(grads, ctx.dtypes)]
         return (None,) + tuple(out)  # none for `call`
+
+
+def _as_in_forward(head: torch.nn.Module, params):
+    """The head with the parameters its forward read (`params`, in head.parameters()'s order) in
+    place for the backward's rerun: torch.func.functional_call swaps in other tensors for the
+    forward and puts the module's own back before the backward runs. A no-op when they are its own."""
+    names = [name for name, _ in head.named_parameters()]
+    now = [q for _, q in head.named_parameters()]
+    if len(now) == len(params) and all(a is q for a, q in zip(now, params)):
+        return contextlib.nullcontext()
+    if len(names) != len(params):
+        raise ValueError(f"the head has {len(names)} parameters in its float16 backward, {len(params)} in its forward: "
+                         "its parameters changed in between")
+    return torch.nn.utils.stateless._reparametrize_module(head, dict(zip(names, params)))
 
 
 def _concat_parts(head):
@@ -541,6 +557,7 @@ def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
     if split_changes(head):
         split = None  # our heads' splits read weights alone, which no longer say what this head computes
     split = split or _concat_parts(head)
-    call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled())
+    call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled(),
+                 head=head)
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
         return _ChunkedLoss.apply(call, f, b, *head.parameters())
