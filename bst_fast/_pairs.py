@@ -323,6 +323,7 @@ def sample_pairs(lengths, prefix_start, min_gap, max_gap, k, generator=None):
     # One 63-bit seed from the caller's generator makes the draw reproducible and independent of
     # the global RNG; the C++ sampler derives one stream per row from it.
     dev = generator.device if generator is not None else "cpu"
+    _ext.require("a pairs= subsample (the C++ sampler; BST_FAST_DEVICE_SAMPLER=1 draws on the device instead)")
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
     row, i, j = torch.ops.bst_fast.sample_pairs(lengths.cpu(), prefix_start.cpu(), min_gap, max_gap, k.cpu(), seed)
     return to_device(row, lengths.device), to_device(i, lengths.device), to_device(j, lengths.device)

@@ -1,5 +1,6 @@
 """The house: which module may import which (no import circles), and what the sdist ships."""
 import ast
+import os
 import subprocess
 import sys
 import tarfile
@@ -86,3 +87,45 @@ def test_the_sdist_ships_the_docs_the_errors_cite(tmp_path):
     names = tarfile.open(sdist).getnames()
     assert any(n.endswith("docs/contract.md") for n in names), names
     assert any(n.endswith("configs/star_cpu.yaml") for n in names)
+    # CMakeLists.txt builds the C++ test too (its configure failed without it: review helper-74)
+    assert any(n.endswith("CMakeLists.txt") for n in names) and any(n.endswith("tests/cpp/test_engine.cpp") for n in names)
+
+
+_WITHOUT_EXTENSION = r'''
+import importlib.abc, sys
+class Unbuilt(importlib.abc.MetaPathFinder):  # as in a clone before its build
+    def find_spec(self, name, path, target=None):
+        if name == "bst_fast._C":
+            raise ModuleNotFoundError("No module named 'bst_fast._C'", name=name)
+sys.meta_path.insert(0, Unbuilt())
+import torch
+import bst_fast
+from bst_fast import belief_state_loss, reference, TextHead
+from bst_fast._pairs import prepare
+torch.manual_seed(0)
+f, b = torch.randn(2, 9, 6, dtype=torch.float64), torch.randn(2, 9, 6, dtype=torch.float64)
+tokens = torch.randint(0, 11, (2, 9))
+head = TextHead(6, 11, hidden=8).double()
+head32 = TextHead(6, 11, hidden=8)
+auto = belief_state_loss(f.float(), b.float(), tokens, head32)  # the cpp backend's place: torch
+want = belief_state_loss(f.float(), b.float(), tokens, head32, backend="reference")
+assert torch.allclose(auto, want, rtol=1e-5), (auto, want)
+for call, kind in ((lambda: belief_state_loss(f.float(), b.float(), tokens, head32, backend="cpp"), ValueError),
+                   (lambda: belief_state_loss(f, b, tokens, head, pairs=0.5), RuntimeError)):
+    try:
+        call()
+        raise SystemExit("no error")
+    except kind as e:
+        assert "bst_fast's C++ extension (bst_fast._C), which is not built" in str(e) and "--no-build-isolation" in str(e), e
+print("ok")
+'''
+
+
+def test_the_package_imports_and_trains_without_its_cpp_extension(tmp_path):
+    """A clone before its build (or a build for another torch) failed `import bst_fast` with
+    "cannot import name '_C' ... circular import" (review helper-74). Now the package imports, auto
+    takes the torch backend where cpp would run, and the cpp backend and the C++ sampler name the
+    missing extension and the command that builds it."""
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_EXTENSION], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -13,10 +13,14 @@ NAME = "cpp"
 FUSED = True
 HOST_PAIRS = False  # a CPU op: its pair set is on the host anyway
 
-pair_loss_op.register("bst_fast::pair_loss", NAME)
+if _ext.LOAD_ERROR is None:
+    pair_loss_op.register("bst_fast::pair_loss", NAME)
 
 
 def supports(head, device: torch.device, dtype: torch.dtype):
+    missing = _ext.problem(f"backend={NAME!r}")
+    if missing is not None:  # auto then takes the torch backend
+        return missing
     # the head and dtype first: their advice ('torch') holds on any device
     problem = fused_problem(NAME, head, dtype)
     if problem is None and device.type != "cpu":
