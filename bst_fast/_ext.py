@@ -29,10 +29,11 @@ def problem(what: str):
 
 
 def require(what: str):
-    """Raise a RuntimeError naming `what` and the fix when the extension is not loaded."""
+    """Raise a ValueError (a set-up fault, as the cpp backend's refusal is) naming `what` and the fix
+    when the extension is not loaded."""
     why = problem(what)
     if why is not None:
-        raise RuntimeError(why) from LOAD_ERROR
+        raise ValueError(why) from LOAD_ERROR
 
 
 if LOAD_ERROR is None:

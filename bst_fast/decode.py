@@ -77,7 +77,8 @@ def _device(model) -> torch.device:
 def _check_ids(model, values: bool = True, **named):
     """Each named argument (a prompt, a goal, eos_id; None skipped) holds integer token ids of the
     model's vocabulary (known from its cfg; else only >= 0 is checked; not checked unless `values`)."""
-    V = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    module = model if isinstance(model, nn.Module) else getattr(model, "model", model)  # or a searcher's
+    V = getattr(getattr(module, "cfg", None), "vocab_size", None)
     for name, x in named.items():
         t = None if x is None else _tensor(x, name)
         if t is None or t.numel() == 0:
@@ -206,7 +207,7 @@ def searcher(model, eos_id: Optional[int] = None, head: str = "next"):
     if head not in ("next", "gpt"):
         raise ValueError(f"head must be 'next' or 'gpt', got {short(head)}")
     if all(hasattr(model, name) for name in ("start", "step", "score")):
-        if head == "gpt" and not isinstance(model, ForwardSearch):
+        if head == "gpt" and not (isinstance(model, ForwardSearch) and model.head is getattr(model.model, "gpt", None)):
             raise ValueError("head='gpt' picks the search interface of a model: pass the model, not a search "
                              f"interface ({type(model).__name__})")
         return model

@@ -516,6 +516,11 @@ def test_generate_cli_refuses_what_a_checkpoint_was_not_trained_on(tmp_path, cap
         decode.sample(decode.searcher(model, head="gpt"), torch.tensor([seq]), 2, goal=[5])
     with pytest.raises(ValueError, match="pass the model, not a search interface"):
         decode.searcher(decode.searcher(model, eos_id=eos), head="gpt")
+    with pytest.raises(ValueError, match="pass the model, not a search interface"):  # a GPT's own head is not a BST's GPT head
+        decode.searcher(decode.searcher(tiny_forward()), head="gpt")
+    # a search interface's ids are checked against its model's vocabulary (a bare IndexError before)
+    with pytest.raises(ValueError, match=r"prefix must hold token ids in 0\.\.4, got 40"):
+        decode.sample(decode.searcher(tiny_forward()), [[1, 2, 40]], 2)
     # the model's max_len bounds the GPT head's search as it does the Next head's (max_len 16)
     with pytest.raises(ValueError, match="exceed the model's max_len 16"):
         decode.sample(decode.searcher(model, head="gpt"), torch.tensor([seq]), 40)

@@ -1715,3 +1715,53 @@ class _LossOf(nn.Module):
 
     def forward(self, f, b, tokens):
         return belief_state_loss(f, b, tokens, self.head, backend="torch")
+
+
+class _TiedHead(nn.Module):
+    """A head of any form (the torch backend runs it whole) with a tied pair of weights and a buffer."""
+
+    def __init__(self, m, V):
+        super().__init__()
+        self.a, self.h1, self.h2, self.out = nn.Linear(2 * m, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2 * V)
+        self.h2.weight = self.h1.weight
+        self.register_buffer("gain", torch.ones(8))
+
+    def forward(self, x):
+        x = F.gelu(self.a(x))
+        return self.out(F.gelu(self.h2(F.gelu(self.h1(x)) * self.gain)))
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_float16_torch_backend_under_functional_call_with_tied_weights_and_buffers(tie_weights):
+    """The float16 rerun put back the swapped-in parameters only: a tied name (h2.weight, which
+    named_parameters leaves out) and a swapped buffer read the module's own tensors, and the
+    gradients were silently those of another function (review helper-76). Every name is put back."""
+    from torch.func import functional_call
+
+    torch.manual_seed(2)
+    B, L, m, V = 2, 6, 4, 5
+    head = _TiedHead(m, V).half()
+    f0, b0 = torch.randn(B, L, m, dtype=torch.float16), torch.randn(B, L, m, dtype=torch.float16)
+    tokens = torch.randint(0, V, (B, L))
+    values = {k: (v.detach() * 1.25).requires_grad_() for k, v in head.named_parameters()}
+    values["gain"] = torch.full((8,), 3.0, dtype=torch.float16)
+    if not tie_weights:  # h2 keeps its own (the module's) weight, h1 reads the swapped-in one
+        values["h2.weight"] = head.h1.weight
+    f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    functional_call(_LossOf(head), {"head." + k: v for k, v in values.items()}, (f, b, tokens),
+                    tie_weights=tie_weights).backward()
+    twin = copy.deepcopy(head)
+    twin.h2.weight = nn.Parameter(twin.h1.weight.detach().clone()) if not tie_weights else twin.h2.weight
+    with torch.no_grad():
+        twin.h1.weight.copy_(values["h1.weight"])
+        if not tie_weights:
+            twin.h2.weight.copy_(head.h1.weight)
+        for k in ("a.weight", "a.bias", "h1.bias", "h2.bias", "out.weight", "out.bias"):
+            twin.get_parameter(k).copy_(values[k])
+        twin.gain.copy_(values["gain"])
+    f2, b2 = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    belief_state_loss(f2, b2, tokens, twin, backend="torch").backward()
+    assert torch.equal(f.grad, f2.grad) and torch.equal(b.grad, b2.grad)
+    assert torch.equal(values["out.weight"].grad, twin.out.weight.grad)
+    want_h1 = twin.h1.weight.grad
+    assert torch.equal(values["h1.weight"].grad, want_h1)

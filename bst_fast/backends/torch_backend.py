@@ -175,7 +175,8 @@ class _Call:
     options: LossOptions
     split: Callable  # the head's pair_parts: (f, b, lengths) of some rows -> their PairParts
     grad_enabled: bool  # the caller's grad mode (inside forward it is always off)
-    head: torch.nn.Module  # whose parameters apply gave: a float16 backward reruns split with them in place
+    head: torch.nn.Module  # a float16 backward reruns split with `state` in place
+    state: dict  # every name of the head's parameters and buffers (tied ones too) -> the tensor the forward read
 
 
 def _parts(split, f, b, lengths) -> PairParts:
@@ -517,7 +518,7 @@ class _ChunkedLoss(torch.autograd.Function):
             dev = ctx.call.tokens.device
             with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
                     torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
-                    _as_in_forward(ctx.call.head, params):
+                    _as_in_forward(ctx.call.head, ctx.call.state):
                 _set_rng_state(ctx.rng, dev)  # a head's dropout draws what the forward drew
                 # (one read of grad_output: the chunks' scale)
                 grads = _compute(ctx.call, f, b, params, ctx.need, go=float(grad_loss))[1]
@@ -526,18 +527,23 @@ class _ChunkedLoss(torch.autograd.Function):
         return (None,) + tuple(out)  # none for `call`
 
 
-def _as_in_forward(head: torch.nn.Module, params):
-    """The head with the parameters its forward read (`params`, in head.parameters()'s order) in
-    place for the backward's rerun: torch.func.functional_call swaps in other tensors for the
-    forward and puts the module's own back before the backward runs. A no-op when they are its own."""
-    names = [name for name, _ in head.named_parameters()]
-    now = [q for _, q in head.named_parameters()]
-    if len(now) == len(params) and all(a is q for a, q in zip(now, params)):
+def _state(head: torch.nn.Module) -> dict:
+    """Every name of the head's parameters and buffers, tied and shared ones included, -> its tensor."""
+    return {**dict(head.named_parameters(remove_duplicate=False)), **dict(head.named_buffers(remove_duplicate=False))}
+
+
+def _as_in_forward(head: torch.nn.Module, state: dict):
+    """The head as its forward read it (`state`, _state's) for the backward's rerun: torch.func's
+    functional_call swaps other tensors (parameters, tied names, buffers) in for the forward and puts
+    the module's own back before the backward runs. Matched by name, each name given, so that tied
+    and reordered ones come back as they were. A no-op when nothing was swapped."""
+    now = _state(head)
+    if now.keys() != state.keys():
+        raise ValueError(f"the head's parameters and buffers changed between its float16 forward and backward: "
+                         f"{sorted(now.keys() ^ state.keys())[:5]}")
+    if all(now[name] is t for name, t in state.items()):
         return contextlib.nullcontext()
-    if len(names) != len(params):
-        raise ValueError(f"the head has {len(names)} parameters in its float16 backward, {len(params)} in its forward: "
-                         "its parameters changed in between")
-    return torch.nn.utils.stateless._reparametrize_module(head, dict(zip(names, params)))
+    return torch.nn.utils.stateless._reparametrize_module(head, state)
 
 
 def _concat_parts(head):
@@ -558,6 +564,6 @@ def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
         split = None  # our heads' splits read weights alone, which no longer say what this head computes
     split = split or _concat_parts(head)
     call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled(),
-                 head=head)
+                 head=head, state=_state(head))
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
         return _ChunkedLoss.apply(call, f, b, *head.parameters())
