@@ -294,7 +294,10 @@ def test_ddp_two_ranks_on_split_rows_equal_one_process(tmp_path):
     script.write_text("import bst_fast, sys\n"
                       f"kw = {sets!r}\n"
                       "kw.update(steps=int(sys.argv[2])) if len(sys.argv) > 2 else None\n"
-                      f"bst_fast.train({str(TINY)!r}, out_dir=sys.argv[1], **kw)\n")
+                      f"bst_fast.train({str(TINY)!r}, out_dir=sys.argv[1], **kw)\n"
+                      # the group ended here, not at exit (gloo aborted once in a loaded CI run's teardown)
+                      "import torch.distributed as dist\n"
+                      "dist.destroy_process_group() if dist.is_initialized() else None\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for out, steps in (("one", []), ("short", ["1"])):
         subprocess.run([sys.executable, str(script), str(tmp_path / out), *steps], check=True, env=env,

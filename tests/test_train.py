@@ -62,7 +62,9 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
     legs.write_text("import bst_fast, sys\n"
                     f"kw = dict(ckpt_every=0, out_dir={str(tmp_path / 'two')!r}, **{{'model.head_type': {head_type!r}}})\n"
                     f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
-                    f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n")
+                    f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n"
+                    "import torch.distributed as dist\n"  # ended here, not at exit (gloo aborted in teardown once)
+                    "dist.destroy_process_group() if dist.is_initialized() else None\n")
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(legs)]
     run = subprocess.run(ddp, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
