@@ -406,17 +406,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        _end_process_group()
     return 0
-
-
-def _end_process_group():
-    """A DDP group that train() started, ended before the interpreter's teardown: at exit (train's
-    atexit hook) gloo still aborted a finished run's rank now and then in a loaded CI run."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _one_line(error: BaseException, limit: int = 2000) -> str:

@@ -1725,10 +1725,11 @@ class _TiedHead(nn.Module):
         self.a, self.h1, self.h2, self.out = nn.Linear(2 * m, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2 * V)
         self.h2.weight = self.h1.weight
         self.register_buffer("gain", torch.ones(8))
+        self.register_buffer("shift", None)  # named_buffers leaves it out; functional_call may set it
 
     def forward(self, x):
-        x = F.gelu(self.a(x))
-        return self.out(F.gelu(self.h2(F.gelu(self.h1(x)) * self.gain)))
+        x = F.gelu(self.h1(F.gelu(self.a(x)))) * self.gain
+        return self.out(F.gelu(self.h2(x if self.shift is None else x + self.shift)))
 
 
 @pytest.mark.parametrize("tie_weights", [True, False])
@@ -1745,6 +1746,7 @@ def test_float16_torch_backend_under_functional_call_with_tied_weights_and_buffe
     tokens = torch.randint(0, V, (B, L))
     values = {k: (v.detach() * 1.25).requires_grad_() for k, v in head.named_parameters()}
     values["gain"] = torch.full((8,), 3.0, dtype=torch.float16)
+    values["shift"] = torch.full((8,), 0.5, dtype=torch.float16)  # a None buffer given a tensor (review helper-77)
     if not tie_weights:  # h2 keeps its own (the module's) weight, h1 reads the swapped-in one
         values["h2.weight"] = head.h1.weight
     f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
@@ -1759,6 +1761,7 @@ def test_float16_torch_backend_under_functional_call_with_tied_weights_and_buffe
         for k in ("a.weight", "a.bias", "h1.bias", "h2.bias", "out.weight", "out.bias"):
             twin.get_parameter(k).copy_(values[k])
         twin.gain.copy_(values["gain"])
+    twin.shift = values["shift"].clone()
     f2, b2 = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
     belief_state_loss(f2, b2, tokens, twin, backend="torch").backward()
     assert torch.equal(f.grad, f2.grad) and torch.equal(b.grad, b2.grad)

@@ -528,8 +528,13 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def _state(head: torch.nn.Module) -> dict:
-    """Every name of the head's parameters and buffers, tied and shared ones included, -> its tensor."""
-    return {**dict(head.named_parameters(remove_duplicate=False)), **dict(head.named_buffers(remove_duplicate=False))}
+    """Every name of the head's parameters and buffers, tied and shared ones and those set to None
+    included, -> its tensor (or None)."""
+    state = {}
+    for prefix, module in head.named_modules(remove_duplicate=False):
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            state[f"{prefix}.{name}" if prefix else name] = t
+    return state
 
 
 def _as_in_forward(head: torch.nn.Module, state: dict):
@@ -543,7 +548,8 @@ def _as_in_forward(head: torch.nn.Module, state: dict):
                          f"{sorted(now.keys() ^ state.keys())[:5]}")
     if all(now[name] is t for name, t in state.items()):
         return contextlib.nullcontext()
-    return torch.nn.utils.stateless._reparametrize_module(head, state)
+    # stack_weights: restored in reverse order, so that a submodule reached under two names ends as it was
+    return torch.nn.utils.stateless._reparametrize_module(head, state, stack_weights=True)
 
 
 def _concat_parts(head):
