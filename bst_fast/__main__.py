@@ -409,6 +409,18 @@ def main(argv=None):
     return 0
 
 
+def cli() -> int:
+    """The console script `bst-fast` and `python -m bst_fast`: main(), then the DDP group a train
+    command started is ended at the process's real exit (not in main(): a second main() in the same
+    torchrun process would start a new group, whose rendezvous can hang)."""
+    try:
+        return main()
+    finally:
+        trainer = sys.modules.get("bst_fast.trainer")
+        if trainer is not None:
+            trainer.end_process_group()
+
+
 def _one_line(error: BaseException, limit: int = 2000) -> str:
     """An error's message on one bounded line (torch's errors span several)."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -416,4 +428,4 @@ def _one_line(error: BaseException, limit: int = 2000) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

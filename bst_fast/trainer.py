@@ -245,14 +245,27 @@ def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
     return loss
 
 
+_GROUP = {"started": None}  # the process group train() started, if any
+
+
+def end_process_group():
+    """End the DDP process group train() started (and no other): the CLI calls it once the command is
+    done, before the interpreter's teardown, in which gloo still aborted a finished rank now and
+    then under load (`terminate called without an active exception`); at exit otherwise."""
+    group, _GROUP["started"] = _GROUP["started"], None
+    if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
+
+
 def _device(cfg: TrainConfig, world: int) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         # Kept for later calls in this process (a group started anew under torchrun could hang in
         # its rendezvous) and ended at exit: left to the interpreter's teardown, gloo aborted in
-        # about one run in fifteen (docs/results.md, DDP).
-        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+        # about one run in fifteen (docs/results.md, DDP). The CLI ends it earlier (end_process_group).
+        _GROUP["started"] = dist.group.WORLD
+        atexit.register(end_process_group)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("config field 'device' is 'cuda', but this torch sees no CUDA device "

@@ -283,7 +283,7 @@ def test_console_script_is_declared_and_runs():
     scripts = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
     if "bst-fast" not in scripts:
         pytest.skip("the installed metadata predates pyproject.toml: reinstall with pip install --no-build-isolation -e .")
-    assert scripts["bst-fast"] == "bst_fast.__main__:main"
+    assert scripts["bst-fast"] == "bst_fast.__main__:cli"
     exe = shutil.which("bst-fast") or str(Path(sys.executable).parent / "bst-fast")
     assert Path(exe).exists(), "bst-fast is declared but not on PATH"
     run = subprocess.run([exe, "--help"], capture_output=True, text=True)
@@ -298,7 +298,7 @@ def test_pyproject_declares_the_package():
     assert "dependencies" in project["dynamic"]  # setup.py's RUNTIME: torch pinned to the build's
     extras = project["optional-dependencies"]
     assert {"pytest", "pytest-benchmark"} <= set(extras["test"]) and "matplotlib" in extras["bench"]
-    assert project["scripts"] == {"bst-fast": "bst_fast.__main__:main"}
+    assert project["scripts"] == {"bst-fast": "bst_fast.__main__:cli"}
     assert meta["build-system"]["build-backend"] == "setuptools.build_meta"
     assert "CppExtension" in (ROOT / "setup.py").read_text()  # the extension is still setuptools-built
     # requirements.txt pins only what the build and CI need: no runtime dependency twice.

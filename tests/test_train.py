@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bst_fast import TrainConfig, load_model, train
+from bst_fast.checkpoint import latest_checkpoint
 from bst_fast.files import sha256
 from bst_fast.run_folder import MARKER
 
@@ -632,3 +633,27 @@ def test_a_saved_config_on_other_data_names_how_to_let_the_data_set_its_fields(t
         train(saved, out_dir=str(tmp_path / "b"), star_path_len=4)
     train(saved, out_dir=str(tmp_path / "b"), star_path_len=4, **{"model.max_len": default})
     assert load_model(tmp_path / "b")[1].model.max_len not in (default, saved.model.max_len)
+
+
+def test_the_cli_ends_the_ddp_group_at_its_exit_and_not_between_commands(tmp_path):
+    """`bst-fast` (cli) ends the group a train command started once the command is done, before the
+    interpreter's teardown (where gloo aborted a finished rank now and then under load); main()
+    does not, so a second command in the same torchrun process trains on the same group (ending it
+    there hung a second main() in a new rendezvous: review helper-77)."""
+    script = tmp_path / "cli.py"
+    script.write_text(f"""import sys
+import torch.distributed as dist
+from bst_fast.__main__ import cli, main
+args = ["train", "--config", {str(TINY)!r}, "--set", "out_dir={tmp_path / 'run'}", "--set", "ckpt_every=0"]
+assert main(args + ["--set", "steps=3"]) == 0 and dist.is_initialized()
+sys.argv = ["bst-fast", *args, "--resume"]
+rc = cli()
+print("rank", dist.get_rank() if dist.is_initialized() else "-", "ended" if not dist.is_initialized() else "kept", rc)
+sys.exit(rc)
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523", str(script)]
+    run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.count("rank - ended 0") == 2, run.stdout
+    assert latest_checkpoint(tmp_path / "run").name == f"step-{TrainConfig.load(TINY).steps:08d}"
