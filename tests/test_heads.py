@@ -1644,12 +1644,7 @@ def test_float16_torch_backend_under_saved_tensor_hooks(kind):
     the eager ones, and an in-place change of a parameter before the backward is still caught."""
     from torch.utils.checkpoint import checkpoint
 
-    torch.manual_seed(0)
-    B, L, m, V = 2, 7, 4, 5
-    head = (TextHead(m, V, hidden=6) if kind == "text" else make_swiglu(m, V, hidden=8)).half()
-    f0 = torch.randn(B, L, m, dtype=torch.float16)
-    b0 = torch.randn(B, L, m, dtype=torch.float16)
-    tokens = torch.randint(0, V, (B, L))
+    head, f0, b0, tokens = _float16_case(kind, seed=0)
 
     def grads(wrap):
         f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
@@ -1670,6 +1665,16 @@ def test_float16_torch_backend_under_saved_tensor_hooks(kind):
         loss.backward()
 
 
+def _float16_case(kind, seed):
+    """(head, f, b, tokens): a float16 TextHead or SwiGLU head and inputs for the torch backend."""
+    torch.manual_seed(seed)
+    B, L, m, V = 2, 7, 4, 5
+    head = (TextHead(m, V, hidden=6) if kind == "text" else make_swiglu(m, V, hidden=8)).half()
+    f = torch.randn(B, L, m, dtype=torch.float16)
+    b = torch.randn(B, L, m, dtype=torch.float16)
+    return head, f, b, torch.randint(0, V, (B, L))
+
+
 def _with_copying_hooks(fn, f, b):
     """fn(f, b) with saved-tensor hooks that unpack a copy (as save_on_cpu does for CUDA tensors)."""
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
@@ -1684,12 +1689,7 @@ def test_float16_torch_backend_under_functional_call(kind):
     equal those of a head holding the swapped-in values."""
     from torch.func import functional_call
 
-    torch.manual_seed(1)
-    B, L, m, V = 2, 7, 4, 5
-    head = (TextHead(m, V, hidden=6) if kind == "text" else make_swiglu(m, V, hidden=8)).half()
-    f0 = torch.randn(B, L, m, dtype=torch.float16)
-    b0 = torch.randn(B, L, m, dtype=torch.float16)
-    tokens = torch.randint(0, V, (B, L))
+    head, f0, b0, tokens = _float16_case(kind, seed=1)
     values = {k: (v.detach() * 1.25).requires_grad_() for k, v in head.named_parameters()}
     f, b = f0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
     wrap = _LossOf(head)

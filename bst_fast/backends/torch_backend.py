@@ -175,8 +175,7 @@ class _Call:
     options: LossOptions
     split: Callable  # the head's pair_parts: (f, b, lengths) of some rows -> their PairParts
     grad_enabled: bool  # the caller's grad mode (inside forward it is always off)
-    head: torch.nn.Module  # a float16 backward reruns split with `state` in place
-    state: dict  # every name of the head's parameters and buffers (tied ones too) -> the tensor the forward read
+    head: torch.nn.Module  # a float16 backward reruns split with the forward's tensors in place (_state)
 
 
 def _parts(split, f, b, lengths) -> PairParts:
@@ -505,6 +504,7 @@ class _ChunkedLoss(torch.autograd.Function):
             # the head's own parameters, which its forward reads: a saved-tensor hook (checkpointing,
             # save_on_cpu) unpacks copies, which it never reads (their gradients would be refused or lost)
             ctx.params = params
+            ctx.state = _state(call.head)  # the tensors the forward read (functional_call swaps them back)
         else:
             ctx.save_for_backward(*grads)
         return loss
@@ -518,7 +518,7 @@ class _ChunkedLoss(torch.autograd.Function):
             dev = ctx.call.tokens.device
             with torch.random.fork_rng([dev] if dev.type == "cuda" else []), torch.enable_grad(), \
                     torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]), \
-                    _as_in_forward(ctx.call.head, ctx.call.state):
+                    _as_in_forward(ctx.call.head, ctx.state):
                 _set_rng_state(ctx.rng, dev)  # a head's dropout draws what the forward drew
                 # (one read of grad_output: the chunks' scale)
                 grads = _compute(ctx.call, f, b, params, ctx.need, go=float(grad_loss))[1]
@@ -570,6 +570,6 @@ def run(f, b, tokens, head, pairs: Pairs, options: LossOptions):
         split = None  # our heads' splits read weights alone, which no longer say what this head computes
     split = split or _concat_parts(head)
     call = _Call(tokens=tokens, pairs=pairs, options=options, split=split, grad_enabled=torch.is_grad_enabled(),
-                 head=head, state=_state(head))
+                 head=head)
     with on_device(f.device):  # the Triton engine's launches (the forward also takes every gradient)
         return _ChunkedLoss.apply(call, f, b, *head.parameters())
