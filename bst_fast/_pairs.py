@@ -596,6 +596,9 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         no_pair = (total == 0) & (not isinstance(pairs, (tuple, list)))
         tok_flag = torch.zeros((), dtype=torch.bool) if host else bad_tok.any()
         flags = [bad_len.any(), bad_start.any(), tok_flag] + [d.any() for _, _, d in downs] + [no_pair]
+        if any(x.device.type == "meta" for x in flags):  # a GPU stand-in can take host pair sets, no more
+            _fail(ValueError, "the inputs are on the meta device, which holds no values, and the loss must read the "
+                              "token ids and lengths to check them and build its pair set; use CPU or GPU tensors")
         any_bad = torch.stack(flags).tolist()  # one sync (none on the host)
         if any_bad[0]:
             _raise_length(lengths, bad_len, L)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import _pairs
-from ._checks import plain_number
+from ._checks import plain_number, short
 from ._pairs import separated_documents  # noqa: F401  (public: the official packed layout's documents)
 from .backends import NAMES, pick, runtime
 from .backends.runtime import LossOptions
@@ -104,6 +104,8 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
     """
     runtime.check_environment()
+    if not isinstance(deterministic, bool):  # it changes nothing, but a typo'd value must not pass for one
+        raise ValueError(f"deterministic must be True or False, got {short(deterministic)}")
     _pairs.check_f(f)  # the head's checks read f's width and dtype
     lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight = map(
         plain_number, (lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight))

@@ -11,7 +11,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
-from ._checks import check_int, short
+from ._checks import check_int, plain_number, short
 from ._pairs import _as_row_vector, _raise_start, check_documents, full_lengths, host_known, id_dtype_ok
 from .loss import belief_state_loss
 
@@ -37,7 +37,7 @@ class ModelConfig:
     shared_encoders: bool = False  # with backward_encoder false there is nothing to share: no effect
     head_type: str = "mlp"  # "mlp": TextHead (the paper's); "swiglu": ResidualSwiGLUHead (the official code's)
     # the 'mlp' TextHead's shape; the 'swiglu' head is the official one, of its own width
-    # (8 * 2m / 3 rounded up to 128) and form, and does not read these three
+    # (8 * 2m / 3 rounded to the nearest multiple of 128, at least 128) and form, and does not read these three
     head_hidden: Union[int, List[int]] = 256  # TextHead hidden width(s)
     head_layers: int = 2  # TextHead Linear layers
     head_activation: str = "gelu"  # TextHead activation
@@ -450,6 +450,7 @@ class BeliefStateTransformer(nn.Module):
         whole global batch's count divided by the number of ranks DDP averages the gradients over
         (|P| / world; a loop that sums micro-batches on one rank divides by the batch's whole |P|)."""
         check_reduction(reduction)
+        gamma = plain_number(gamma)  # np.float32 from a config read through numpy, as the loss's options
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
             raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
         if gamma > 0 and self.gpt is None:

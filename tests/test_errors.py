@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +144,7 @@ BAD = {
     "documents_uint32": (lambda x: dict(documents=torch.zeros(x[2].shape, dtype=torch.uint32)), ValueError,
                          r"documents must be a \(B, L\) integer tensor .*got torch.uint32"),
     "prefix_start_int_beyond_int64": (lambda x: dict(prefix_start=2**64), ValueError, "prefix_start must fit in int64"),
+    "deterministic_string": (lambda x: dict(deterministic="yes"), ValueError, "deterministic must be True or False, got 'yes'"),
 }
 
 
@@ -509,6 +511,18 @@ def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch
         belief_state_loss(f, f, tokens, make_head(4, 5, hidden=4), backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "torch", "cpp"])
+def test_the_meta_device_is_refused_where_the_loss_reads_values(backend):
+    """All pairs on meta tensors: the ids and lengths must be read (a GPU stand-in takes only host
+    pair sets, tests/test_host_pairs.py). It was torch's 'Cannot copy out of meta tensor', and cpp
+    advised backend='triton', which fails the same way."""
+    f, tokens = torch.empty(2, 6, 3, device="meta"), torch.zeros(2, 6, dtype=torch.long, device="meta")
+    head = make_head(3, 7, hidden=4).to("meta")
+    want = "backend='cpp' runs on the CPU, got meta tensors$" if backend == "cpp" else "inputs are on the meta device"
+    with pytest.raises(ValueError, match=want):
+        belief_state_loss(f, f, tokens, head, backend=backend)
+
+
 def test_lengths_are_checked_before_sampling(monkeypatch):
     """Under torch.compile belief_state_loss skips its own checks (the op repeats them), but with
     sampled pairs the sampler runs first and its work grows with the lengths: then they are checked."""
@@ -634,6 +648,9 @@ def test_model_forward_takes_an_int_length_and_refuses_a_silent_gamma():
         bst(tokens, gamma=0.5)  # no GPT head: the weight used to be ignored
     with pytest.raises(ValueError, match=r"gamma must be a number in \[0, 1\]"):
         bst(tokens, gamma=1.5)
+    gpt = type(bst)(bst.cfg.__class__(**{**vars(bst.cfg), "gpt_head": True}))
+    # a numpy scalar (a config read through numpy) is taken, as belief_state_loss takes its options
+    torch.testing.assert_close(gpt(tokens, gamma=np.float32(0.25))["total"], gpt(tokens, gamma=0.25)["total"])
     with pytest.raises(ValueError, match="no next-token position"):
         fwd(tokens, prefix_start=20)  # was 0/0 = nan
 

@@ -24,7 +24,8 @@ def supports(head, device: torch.device, dtype: torch.dtype):
     # the head and dtype first: their advice ('torch') holds on any device
     problem = fused_problem(NAME, head, dtype)
     if problem is None and device.type != "cpu":
-        return f"backend={NAME!r} runs on the CPU; use backend='triton' for {device.type} tensors"
+        advice = {"cuda": "; use backend='triton' for cuda tensors", "meta": ""}.get(device.type, "; use backend='torch'")
+        return f"backend={NAME!r} runs on the CPU, got {device.type} tensors{advice}"
     return problem
 
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import _pairs
-from ..head import TextHead, text_head_changes
+from ..head import TextHead, has_backward_hooks, text_head_changes
 
 
 def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
@@ -37,8 +37,10 @@ def fused_problem(name: str, head, dtype: torch.dtype) -> Optional[str]:
         return f"backend={name!r} needs a TextHead; use backend='torch' for {type(head).__name__}"
     changed = text_head_changes(head)
     if changed:
-        return (f"backend={name!r} computes a TextHead from its layers' weights and biases, but {changed}; "
-                f"use backend='torch', which runs the head itself")
+        # a backward hook needs every pair's head output: only 'reference' materialises it
+        other = ("use backend='reference', which runs the head on every pair" if has_backward_hooks(head)
+                 else "use backend='torch', which runs the head itself")
+        return f"backend={name!r} computes a TextHead from its layers' weights and biases, but {changed}; {other}"
     if dtype == torch.float64:
         return (f"backend={name!r} takes float32, float16 or bfloat16 inputs; float64 runs through "
                 "'torch' or 'reference'")
