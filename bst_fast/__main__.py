@@ -277,22 +277,26 @@ def cmd_tokenize(args):
     """Tokenise a text corpus once into a prepared corpus that `data: DIR` trains from."""
     import time
 
-    from .data.prepared import print_summary, tokenize_corpus
+    from .data.prepared import check_workers, print_summary, tokenize_corpus
+    from .data.text import check_vocab_size
 
     if args.tokenizer is not None and args.vocab is not None:
         raise ValueError("--vocab sets the size of a BPE tokenizer trained here; with --tokenizer the tokenizer's "
                          "own vocabulary is used: give one of them")
     if args.tokenizer is not None and args.bpe_sample_mb is not None:
         raise ValueError("--bpe-sample-mb applies to a BPE tokenizer trained here, not to --tokenizer")
-    if args.workers is not None and args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    vocab = 1000 if args.vocab is None else args.vocab
-    if vocab < 259:
-        raise ValueError(f"--vocab must be >= 259 (256 bytes and PAD, BOS, EOS), got {vocab}")
+    if args.workers is not None:
+        check_workers("--workers", args.workers)
+    sample = None
+    if args.bpe_sample_mb is not None:  # bytes; less than one is no sample (it was raised to 1 byte, silently)
+        sample = int(args.bpe_sample_mb * 1e6)
+        if sample < 1:
+            raise ValueError(f"--bpe-sample-mb must be at least 1e-6 (one byte), got {args.bpe_sample_mb}")
+    vocab = None if args.vocab is None else check_vocab_size("--vocab", args.vocab)  # None: 1000, the paper's
     t = time.perf_counter()
     manifest = tokenize_corpus(args.data, args.out, vocab_size=vocab, tokenizer=args.tokenizer,
                                max_doc_tokens=args.max_doc_tokens, progress=not args.no_progress, workers=args.workers,
-                               bpe_sample_bytes=None if args.bpe_sample_mb is None else max(1, int(args.bpe_sample_mb * 1e6)))
+                               bpe_sample_bytes=sample)
     print_summary(manifest, args.out, time.perf_counter() - t)
 
 
@@ -376,8 +380,8 @@ def main(argv=None):
     p.add_argument("data", nargs="+", metavar="DATA", help="a .txt file or a folder of them (several: one corpus)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="the prepared corpus to write (a new or empty folder, or a prepared corpus to replace)")
-    p.add_argument("--vocab", type=_positive, metavar="N", help="BPE vocabulary of the tokenizer trained here "
-                   "(default 1000, the paper's)")
+    p.add_argument("--vocab", type=int, metavar="N", help="BPE vocabulary of the tokenizer trained here "
+                   "(default 1000, the paper's; 259 to 2**20)")
     p.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json instead of training one "
                    "(its vocabulary sets the model's)")
     p.add_argument("--max-doc-tokens", type=_positive, metavar="N",

@@ -481,7 +481,11 @@ def test_the_output_folder_is_written_atomically_and_never_clobbered(corpus, tmp
         prep.tokenize_corpus(text, tmp_path / "none", tokenizer=tok, max_doc_tokens=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine"]  # no temporary folder left
     for argv, match in ((["--tokenizer", str(tmp_path / "no.json")], "--tokenizer: no such tokenizer file"),
-                        (["--vocab", "100"], "--vocab must be >= 259"),
+                        (["--vocab", "100"], "--vocab must be an int from 259"),
+                        (["--vocab", "0"], "--vocab must be an int from 259"),  # argparse said ">= 1" (the real least: 259)
+                        # argparse took them: HF tokenizers' trainer panicked (2**63: a traceback) or
+                        # aborted the process reserving 70 GB (10**9)
+                        (["--vocab", str(2**63)], "to 1048576"), (["--vocab", str(10**9)], "to 1048576"),
                         (["--vocab", "300", "--tokenizer", str(tok)], "give one of them")):
         assert cli(["tokenize", str(text), "--out", str(tmp_path / "x"), "--no-progress", *argv]) == 2
         assert match in capsys.readouterr().err
@@ -508,8 +512,10 @@ def test_the_command_line_and_bpe_training(tmp_path):
     # the tokenizer trained is the one a text run trains
     assert load_tokenizer(tmp_path / "c" / "tokenizer.json").to_str() == train_bpe(tmp_path / "t", 280).to_str()
     assert m["tokenizer_origin"] == {"trained": {"vocab_size": 280, "sample_bytes": None}}
-    sampled = prep.tokenize_corpus(tmp_path / "t", tmp_path / "s", vocab_size=280, bpe_sample_bytes=300)
-    assert sampled["tokenizer_origin"]["trained"]["sample_bytes"] == 300
+    # (300 bytes of these 3.3 kB sampled no document: the BPE trained on nothing, now refused)
+    sampled = prep.tokenize_corpus(tmp_path / "t", tmp_path / "s", vocab_size=280, bpe_sample_bytes=1000)
+    assert sampled["tokenizer_origin"]["trained"]["sample_bytes"] == 1000
+    assert sampled["vocab_size"] > 259  # it learnt merges from the documents sampled
 
 
 def test_the_whitespace_set_is_pythons():
@@ -727,3 +733,36 @@ def test_the_summary_names_documents_encoded_to_no_token(corpus, capsys):
     assert "dropped 3 documents the tokenizer encodes to no token" in capsys.readouterr().out
     prep.print_summary(dict(m, empty_documents=0), out, 1.0)
     assert "no token" not in capsys.readouterr().out
+
+
+def test_a_bpe_sample_of_no_document_and_too_many_workers_are_refused(tmp_path, capsys):
+    """--bpe-sample-mb 1e-12 was raised to 1 byte, silently, and the BPE then trained on no document
+    (vocab 259, no warning); --workers 2**63 was an OverflowError, exit 1."""
+    write_corpus(tmp_path / "t" / "a.txt", n_docs=30)
+    out = str(tmp_path / "c")
+    for argv, match in ((["--bpe-sample-mb", "1e-12"], "--bpe-sample-mb must be at least 1e-6"),
+                        (["--bpe-sample-mb", "1e-5"], "sample_bytes 10 .*--bpe-sample-mb.* sampled no document"),
+                        (["--workers", str(2**63)], "--workers must be an int from 0 to 4096"),
+                        (["--workers", "-1"], "--workers must be an int >= 0")):
+        assert cli(["tokenize", str(tmp_path / "t"), "--out", out, "--no-progress", *argv]) == 2, argv
+        assert re.search(match, capsys.readouterr().err), argv
+    with pytest.raises(ValueError, match="sampled no document"):  # the API: train_bpe itself
+        train_bpe(tmp_path / "t", 280, sample_bytes=1)
+    with pytest.raises(ValueError, match="workers must be an int from 0 to 4096"):
+        prep.tokenize_corpus(tmp_path / "t", out, workers=2**63)
+    assert not (tmp_path / "c").exists()
+
+
+def test_tokenize_corpus_refuses_what_a_given_tokenizer_would_ignore(corpus, tmp_path):
+    """With tokenizer= given, vocab_size and bpe_sample_bytes were silently ignored (the CLI refused
+    the combination); a tokenizer that is none of the kinds taken was an AttributeError."""
+    text, tok, _ = corpus
+    for kw, match in ((dict(vocab_size=5000), "vocab_size=5000 applies to a BPE tokenizer trained here"),
+                      (dict(bpe_sample_bytes=300), "bpe_sample_bytes=300 applies to a BPE tokenizer trained here")):
+        with pytest.raises(ValueError, match=match):
+            prep.tokenize_corpus(text, tmp_path / "x", tokenizer=tok, **kw)
+    with pytest.raises(ValueError, match="tokenizer must be None .* got int 5"):
+        prep.tokenize_corpus(text, tmp_path / "x", tokenizer=5)
+    assert not (tmp_path / "x").exists()
+    m = prep.tokenize_corpus(text, tmp_path / "y", tokenizer=tok)  # vocab_size left out: fine
+    assert m["vocab_size"] == load_tokenizer(tok).get_vocab_size()

@@ -35,6 +35,21 @@ def _letters(n: int, seed: int = 0) -> str:
 # 1. long runs without whitespace
 
 
+def test_bpe_vocabulary_is_bounded_before_the_trainer_reserves_it(tmp_path, monkeypatch):
+    """HF tokenizers' trainer reserves ~70 bytes per vocabulary entry up front: 10**9 aborted the
+    process (a 70 GB allocation), 2**63 panicked (a BaseException, past every `except Exception`).
+    Both, and anything under the 259 byte + special tokens, are a ValueError naming vocab_size; a
+    panic that still happens is a ValueError too."""
+    (tmp_path / "a.txt").write_text(_prose(20))
+    for bad in (2**63, 10**9, (1 << 20) + 1, 258, 0, 300.0, True):
+        with pytest.raises(ValueError, match=r"vocab_size must be an int from 259 .* to 1048576"):
+            train_bpe(tmp_path, vocab_size=bad)
+    assert train_bpe(tmp_path, vocab_size=259).get_vocab_size() == 259
+    monkeypatch.setattr(text_mod, "MAX_VOCAB", 1 << 64)  # let one through to the real trainer: it panics
+    with pytest.raises(ValueError, match=r"BPE trainer failed \(vocab_size 9223372036854775808.*capacity overflow"):
+        train_bpe(tmp_path, vocab_size=2**63)
+
+
 def test_long_runs_are_cut_into_bounded_pre_tokens(tmp_path):
     """The quadratic cost of HF's BPE trainer is in the longest pre-token: no pre-token of a
     trained tokenizer is longer than MAX_PRETOKEN bytes, whatever the run (letters, digits,

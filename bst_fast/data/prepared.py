@@ -125,15 +125,15 @@ def _check_out(out: Path) -> bool:
     return True
 
 
-def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_doc_tokens: int | None = None,
+def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None, max_doc_tokens: int | None = None,
                     bpe_sample_bytes: int | None = None, progress=None, workers: int | None = None) -> dict:
     """Tokenise the documents of `data` (a .txt file, a folder or a list of them, read as TextData
     reads them) into the prepared corpus `out`; returns its manifest.
 
-    tokenizer: None trains a byte-level BPE tokenizer of `vocab_size` on the corpus (train_bpe, the
-    tokenizer a text run trains; `bpe_sample_bytes` trains it on documents spread evenly over the
-    corpus, about that many bytes), else the path of a tokenizer.json or a HF Tokenizer (its
-    vocabulary sets the model's). max_doc_tokens: documents longer than this many tokens are
+    tokenizer: None trains a byte-level BPE tokenizer of `vocab_size` (None: 1000, the paper's) on the
+    corpus (train_bpe, the tokenizer a text run trains; `bpe_sample_bytes` trains it on documents
+    spread evenly over the corpus, about that many bytes), else the path of a tokenizer.json or a HF
+    Tokenizer (its vocabulary sets the model's; vocab_size and bpe_sample_bytes are then refused). max_doc_tokens: documents longer than this many tokens are
     dropped (counted in the manifest's dropped_documents), as the paper drops TinyStories stories
     longer than 256 tokens. progress: bars on stderr (None: only for more than 8 MB of text).
     workers: encoding processes (None: one per CPU for a corpus over 4 MiB (4 * _ENCODE_CHARS
@@ -148,8 +148,19 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
     _check_out(out)
     if max_doc_tokens is not None:
         max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1)
+    if workers is not None:  # checked before the BPE is trained, which can take minutes
+        workers = check_workers("workers", workers)
+    if tokenizer is not None:  # they would be ignored
+        for name, v in (("vocab_size", vocab_size), ("bpe_sample_bytes", bpe_sample_bytes)):
+            if v is not None:
+                raise ValueError(f"{name}={_shown(v)} applies to a BPE tokenizer trained here (tokenizer=None), not to "
+                                 f"a given tokenizer (its own vocabulary is used): leave {name} out")
+        if not isinstance(tokenizer, (str, os.PathLike)) and not callable(getattr(tokenizer, "to_str", None)):
+            raise ValueError(f"tokenizer must be None (train a BPE here), the path of a tokenizer.json or a HF "
+                             f"tokenizers Tokenizer, got {type(tokenizer).__name__} {_shown(tokenizer)}")
     t0 = time.perf_counter()
     if tokenizer is None:
+        vocab_size = 1000 if vocab_size is None else vocab_size
         tok = train_bpe(files, vocab_size=vocab_size, progress=progress, sample_bytes=bpe_sample_bytes)
         origin = {"trained": {"vocab_size": int(vocab_size),
                               "sample_bytes": None if bpe_sample_bytes is None else int(bpe_sample_bytes)}}
@@ -178,7 +189,7 @@ def tokenize_corpus(data, out, *, vocab_size: int = 1000, tokenizer=None, max_do
         if workers is None:  # small corpora: not worth starting processes
             workers = default_workers() if sum(f.stat().st_size for f in files) > 4 * _ENCODE_CHARS else 0
         with _terminate_unwinds():
-            manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, check_int("workers", workers, 0))
+            manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, workers)
         manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
                         source={"paths": [os.path.abspath(p) for p in ([data] if isinstance(data, (str, os.PathLike))
                                                                       else data)],
@@ -217,6 +228,17 @@ def _terminate_unwinds():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+MAX_WORKERS = 4096  # encoding processes: more than any machine's CPUs, short of exhausting the system's
+
+
+def check_workers(name: str, value) -> int:
+    """`value` as a count of encoding processes, 0 to MAX_WORKERS; a ValueError naming `name`."""
+    v = check_int(name, value, 0)
+    if v > MAX_WORKERS:
+        raise ValueError(f"{name} must be an int from 0 to {MAX_WORKERS} (encoding processes), got {_shown(value)}")
+    return v
 
 
 def default_workers() -> int:

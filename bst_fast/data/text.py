@@ -37,6 +37,7 @@ Progress: reading and tokenising more than PROGRESS_BYTES of files shows a tqdm 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -70,6 +71,12 @@ MAX_PRETOKEN = 256
 PROGRESS_BYTES = 8 << 20
 # Characters of a user's value quoted in an error message, at most.
 _SHOWN = 200
+# The largest BPE vocabulary train_bpe takes. HF tokenizers' trainer reserves about 70 bytes of
+# hash table per vocabulary entry before it reads a document (measured: vocab 10**8 reserves 6.6 GB,
+# 10**9 asks for 70 GB and aborts the process; past 2**63 it panics), so the bound keeps that
+# reservation under about 100 MB. 2**20 is four times the largest vocabulary of production language
+# models (262144), and the model's embedding table at that size is already larger than its layers.
+MAX_VOCAB = 1 << 20
 
 
 def _shown(value, text: bool = False) -> str:
@@ -220,6 +227,20 @@ def _pre_tokenizer():
     ])
 
 
+def check_vocab_size(name: str, value, specials: int = len(SPECIAL_TOKENS)) -> int:
+    """`value` as a BPE vocabulary size: an int from 256 byte tokens + `specials` to MAX_VOCAB; a
+    ValueError naming `name` (vocab_size, --vocab) otherwise."""
+    least = 256 + specials
+    try:
+        v = check_int(name, value, least)
+    except ValueError:
+        v = None
+    if v is None or v > MAX_VOCAB:
+        raise ValueError(f"{name} must be an int from {least} (256 byte tokens + {specials} specials) to {MAX_VOCAB} "
+                         f"(HF tokenizers' trainer reserves memory for every entry up front), got {_shown(value)}")
+    return v
+
+
 def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, progress=None,
               sample_bytes: int | None = None):
     """A byte-level BPE tokenizer trained on the documents of `paths` (the paper: vocab 1000).
@@ -235,10 +256,7 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
 
     special_tokens = list(special_tokens)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    least = len(alphabet) + len(special_tokens)
-    if check_int("vocab_size", vocab_size, 1) < least:
-        raise ValueError(f"vocab_size must be >= {least} "
-                         f"(256 bytes + {len(special_tokens)} specials), got {_shown(vocab_size)}")
+    vocab_size = check_vocab_size("vocab_size", vocab_size, len(special_tokens))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
@@ -253,7 +271,21 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
         total = sum(f.stat().st_size for f in files)
         if sample_bytes is not None and sample_bytes < total:
             docs = _spread_sample(docs, sample_bytes / total)
-        tok.train_from_iterator(docs, trainer=trainer)
+            first = next(docs, None)
+            if first is None:  # the tokenizer would hold the bytes and specials only, learnt from nothing
+                raise ValueError(f"sample_bytes {sample_bytes} (tokenize's --bpe-sample-mb) of the corpus's {total} "
+                                 f"bytes sampled no document to train the BPE on: give a larger sample, or none "
+                                 f"(the whole corpus)")
+            docs = itertools.chain([first], docs)
+        try:
+            tok.train_from_iterator(docs, trainer=trainer)
+        except BaseException as e:
+            # a Rust panic reaches Python as pyo3_runtime.PanicException, a BaseException that no
+            # caller's `except Exception` (or the CLI's) catches: a traceback, exit 1
+            if type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"HF tokenizers' BPE trainer failed (vocab_size {vocab_size}, "
+                             f"{len(special_tokens)} special tokens): {_shown(str(e), True)}") from None
     finally:
         if bar is not None:
             bar.close()
