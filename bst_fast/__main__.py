@@ -110,16 +110,17 @@ class _StarCodec:
         self.specials = {self.tok.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
         self.words = {w: self.tok.n_nodes + k for k, w in enumerate(self.tok.SPECIALS)}
 
-    def encode(self, text):
+    def encode(self, text, option):
         ids = []
         for w in text.split():
-            if w.isdigit() and int(w) < self.tok.n_nodes:
+            # ASCII digits only: str.isdigit holds '١' (read as 1 by int) and '²' (which int refuses)
+            if w.isascii() and w.isdigit() and int(w) < self.tok.n_nodes:
                 ids.append(int(w))
             elif w in self.words:
                 ids.append(self.words[w])
             else:
-                raise ValueError(f"{short(w)} is out of the star-graph vocabulary: nodes 0..{self.tok.n_nodes - 1}, "
-                                 f"'|', '/', '=' (e.g. --prefix \"3 7 | 7 2 | 3 5 | 5 1 / 3 2 =\")")
+                raise ValueError(f"{option}: {short(w)} is out of the star-graph vocabulary: nodes 0..{self.tok.n_nodes - 1} "
+                                 f"in ASCII digits, '|', '/', '=' (e.g. --prefix \"3 7 | 7 2 | 3 5 | 5 1 / 3 2 =\")")
         return ids
 
     def decode(self, ids):
@@ -146,7 +147,7 @@ class _TextCodec:
         self.bos_id, self.eos_id = self.tok.token_to_id("<bos>"), self.tok.token_to_id("<eos>")
         self.specials = {self.tok.token_to_id(name): name for name in SPECIAL_TOKENS}
 
-    def encode(self, text):
+    def encode(self, text, option):
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
@@ -161,8 +162,8 @@ def cmd_generate(args):
     ckpt, model, cfg = _resolve_checkpoint(args.checkpoint)
     star = cfg.data == "star"
     codec = _StarCodec(cfg) if star else _TextCodec(ckpt)
-    prompt = codec.encode(args.prefix)
-    goal = codec.encode(args.suffix) if args.suffix else []
+    prompt = codec.encode(args.prefix, "--prefix")
+    goal = codec.encode(args.suffix, "--suffix") if args.suffix else []
     # the model never saw PAD, EOS or a second BOS inside a row: generate places BOS and EOS itself
     # (a prompt's own leading BOS is that BOS); k counts the option's tokens from 0
     for option, ids, start in (("--prefix", prompt, int(prompt[:1] == [codec.bos_id])), ("--suffix", goal, 0)):
@@ -233,6 +234,14 @@ def cmd_generate(args):
         raise ValueError(f"--seed must be in [0, 2**63), got {short(str(args.seed))}")
     if args.horizon is not None:
         horizon = args.horizon
+        # the positions a forward encoder reads (decode's rule: planning scores the prompt, the
+        # horizon, the goal and EOS in one row; the others read the generated tokens but the last)
+        extra = len(goal) + 1 if search == "plan" else -1
+        room = cfg.model.max_len - len(prompt) - extra
+        if horizon > max(room, 0):
+            raise ValueError(f"--horizon {horizon} does not fit the model's max_len {cfg.model.max_len} after the "
+                             f"prompt ({len(prompt)} tokens)" + (f", the goal ({len(goal)}) and EOS" if search == "plan"
+                                                                 else "") + f": at most {max(room, 0)}")
     elif star:
         # the path nodes a prefix already holds after its last "=" are not generated again
         given = prompt[::-1].index(codec.tok.answer_id) if codec.tok.answer_id in prompt else 0

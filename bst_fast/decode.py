@@ -248,7 +248,8 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
            top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None,
            stop_token: Optional[int] = None):
     """(B, P) prompts -> (B, n_new) tokens, KV-cached, the model in eval mode (as every decoder
-    here runs it). temperature=0 is greedy; top_k keeps the k most likely tokens (exactly k: ties
+    here runs it). temperature=0 is greedy (a temperature > 0 too small for the scores' precision,
+    below 1e-45 in float32, draws the limit: the most likely token, tied ones evenly); top_k keeps the k most likely tokens (exactly k: ties
     at the k-th broken by index) before sampling. A BST reads the goal as suffix (default: the empty suffix).
 
     stop_token: a row that draws it is finished; its later positions hold stop_token, and sampling
@@ -282,8 +283,12 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
             token = logits.argmax(-1)
         else:
             # Shifted by the row's maximum first, so a tiny temperature gives -inf, never inf - inf.
+            # A temperature below the scores' smallest number (1e-46 in float32) is 0 in their
+            # precision, and the maximum's 0 / 0 was NaN: the maximum (and a token tied with it)
+            # stays 0, the rest go to -inf, which is the limit T -> 0: greedy, ties drawn evenly.
             z = _score_dtype(logits)
-            z = (z - z.max(-1, keepdim=True).values) / float(temperature)
+            z = z - z.max(-1, keepdim=True).values
+            z = torch.where(z == 0, z, z / float(temperature))
             if top_k is not None and top_k < z.shape[-1]:
                 # exactly k kept, ties by the lower index (a stable sort; a threshold at the k-th value
                 # kept every token tied with it, and topk's choice among ties is its own)

@@ -282,3 +282,60 @@ def test_generate_default_horizon_leaves_out_the_path_nodes_in_the_prompt(star_c
 def test_generate_errors_name_the_flag_typed(star_ckpt, capsys, flags, says):
     assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", GRAPH, *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+class _TiedSearch:
+    """A searcher stub: logits [5, 5, 0, -1] at every step (tokens 0 and 1 tied first)."""
+
+    def start(self, prefix, goal):
+        self.B = prefix.shape[0]
+        return torch.tensor([[5.0, 5.0, 0.0, -1.0]]).expand(self.B, 4)
+
+    def step(self, token):
+        return self.start(torch.zeros(self.B, 1), ())
+
+    def score(self, *args):  # (a search interface has one; sample does not call it)
+        raise AssertionError
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324])
+def test_sampling_at_a_temperature_below_float32s_smallest_number_is_the_greedy_limit(temperature):
+    """A temperature under float32's smallest number (1e-46) is 0 there: the row's maximum was 0 / 0,
+    NaN, and torch.multinomial refused ('probability tensor contains either inf, nan ...'). The limit
+    T -> 0 is drawn: greedy where the maximum is one token, the tied maxima evenly."""
+    model = tiny_bst()
+    for prompt in ([4, 0], [4, 1, 2], [4, 3, 3, 0]):
+        greedy = decode.sample(model, prompt, 4, EOS, temperature=0)
+        for top_k in (None, 2):
+            got = decode.sample(model, prompt, 4, EOS, temperature=temperature, top_k=top_k,
+                                generator=torch.Generator().manual_seed(1))
+            assert torch.equal(got, greedy), (prompt, top_k)
+    drawn = decode.sample(_TiedSearch(), torch.zeros(400, 1, dtype=torch.long), 1, temperature=temperature,
+                          generator=torch.Generator().manual_seed(0))[:, 0]
+    counts = torch.bincount(drawn, minlength=4).tolist()
+    assert counts[2:] == [0, 0] and 150 < counts[0] < 250, counts
+
+
+@pytest.mark.parametrize("word", ["١", "²", "٣"])
+def test_generate_reads_star_nodes_in_ascii_digits_only(star_ckpt, capsys, word):
+    """'١' (Arabic-Indic one: str.isdigit, int() reads 1) was silently node 1; '²' was int()'s own
+    message, naming no flag."""
+    for flags, option in ((["--prefix", f"{GRAPH} {word}"], "--prefix"), (["--prefix", GRAPH, "--suffix", word], "--suffix")):
+        assert main(["generate", "--checkpoint", str(star_ckpt), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{option}: '{word}' is out of the star-graph vocabulary" in err and "ASCII digits" in err, err
+
+
+def test_generate_names_a_horizon_past_max_len(star_ckpt, capsys):
+    """A --horizon past the model's positions was refused in decode's words, naming no flag; the
+    largest that fits is stated and decodes. The prompt is 16 tokens of max_len 20: sampling reads
+    the generated tokens but the last (at most 5), planning the horizon, goal and EOS (at most 2)."""
+    run = lambda *flags: main(["generate", "--checkpoint", str(star_ckpt), "--prefix", GRAPH, *flags])
+    for flags, most in ((["--horizon", "6"], 5), (["--horizon", "6", "--search", "beam", "--beams", "2"], 5),
+                        (["--horizon", "3", "--suffix", "4"], 2), (["--horizon", "1000"], 5)):
+        assert run(*flags) == 2, flags
+        err = capsys.readouterr().err
+        assert f"--horizon {flags[1]} does not fit the model's max_len 20" in err and f"at most {most}" in err, err
+        flags[1] = str(most)
+        assert run(*flags) == 0, (flags, capsys.readouterr().err)
+        capsys.readouterr()
