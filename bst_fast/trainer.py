@@ -37,7 +37,7 @@ from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, la
 from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, config_changes, resolve_config
 from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import (CORPUS, RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
+from .tasks import (CORPUS, DATA_SET_FIELDS, RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
                     rank_failure, sum_over_ranks)
 
 
@@ -104,10 +104,18 @@ def autocast_for(device: str):
     return torch.autocast("cpu", enabled=False)
 
 
-def _check_resumable(ckpt: Path, cfg: TrainConfig):
+def _check_resumable(ckpt: Path, cfg: TrainConfig, before_task: bool = False):
     """The checkpoint's config must equal cfg (with the model's data fields set) in every field a
-    resumed run may not change."""
-    diff = config_changes(read_config(ckpt).to_dict(), cfg.to_dict(), RESUMABLE_CHANGES)
+    resumed run may not change. A text run's `data` may name its corpus by another path (a link, a
+    moved folder): the task compares the corpus itself with the checkpoint's fingerprint (data.json).
+    before_task: checked before the task reads the data, so that a changed field is named, not what
+    the task finds wrong with the data it names (a star run's checkpoint holds no tokenizer.json);
+    the model fields the data sets (model_config) are checked after."""
+    then = read_config(ckpt).to_dict()
+    text = then.get("data") != "star" and cfg.data != "star"
+    diff = config_changes(then, cfg.to_dict(), RESUMABLE_CHANGES + (("data",) if text else ()))
+    if before_task:
+        diff = {k: v for k, v in diff.items() if k not in {f"model.{f}" for f in (*DATA_SET_FIELDS, "gpt_head")}}
     if diff:
         raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
 
@@ -285,6 +293,8 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     for name in (TOKENIZER, CORPUS) if resume_from is not None else ():
         if (Path(resume_from) / name).is_file():  # before the task reads it: damage is named as such, not as
             verify(resume_from, only=name)        # a bad tokenizer or another corpus
+    if resume_from is not None:
+        _check_resumable(resume_from, cfg, before_task=True)
     task = build_task(cfg, resume_from, rank)
     cfg = model_config(cfg, task)
     if resume_from is not None:

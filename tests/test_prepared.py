@@ -170,6 +170,27 @@ def test_resume_is_bitwise_exact_on_a_prepared_corpus(corpus, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_resume_names_a_changed_data_field_and_takes_the_same_corpus_by_another_path(corpus, tmp_path):
+    """A star run resumed with data=<prepared corpus> said "checkpoint ... holds no tokenizer.json"
+    (the task read the new data before the config was compared); a text run resumed with its corpus
+    through a link was refused on the `data` string, though the corpus's fingerprint is checked."""
+    text, _, out = corpus
+    train(tiny(tmp_path / "star", steps=2, eval_every=0, ckpt_every=0))
+    with pytest.raises(ValueError, match=r"another config.*'data': \('star', '.*corpus'\)"):
+        train(tiny(tmp_path / "star", steps=3, eval_every=0, ckpt_every=0, data=str(out), max_len=16), resume=True)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    run = dict(max_len=16, eval_every=0, ckpt_every=0)
+    train(tiny(tmp_path / "text", data=str(out), steps=2, **run))
+    train(tiny(tmp_path / "text", data=str(link), steps=3, **run), resume=True)
+    assert (tmp_path / "text" / "checkpoints" / "latest").read_text() == "step-00000003"
+    # another corpus (the same documents tokenised in RAM: another fingerprint) is still refused
+    with pytest.raises(ValueError, match="the corpus at .* is not the one this run was trained on"):
+        train(tiny(tmp_path / "text", data=str(text), steps=4, **run), resume=True)
+    with pytest.raises(ValueError, match=r"another config.*'data': \('.*link', 'star'\)"):  # the link resumed it
+        train(tiny(tmp_path / "text", steps=4, eval_every=0, ckpt_every=0), resume=True)
+
+
 def test_an_existing_tokenizer_for_raw_text(corpus, tmp_path, monkeypatch):
     text, tok, _ = corpus
     monkeypatch.setattr(data_pkg, "train_bpe", lambda *a, **k: pytest.fail("train_bpe called"))
