@@ -129,6 +129,8 @@ class RunFolder:
         file), a run there without --resume or --overwrite, --resume with nothing to resume, an
         overwrite of a folder that is never deleted from or of files that cannot be deleted."""
         out = self.path
+        if "\0" in str(out):  # os calls refuse it with "embedded null byte", naming nothing
+            raise ValueError(f"out_dir {short(str(out))} holds a NUL character, which no path can hold")
         try:
             # The nearest existing folder on the way must be a folder: a file there is an error by name,
             # and so is a link that leads nowhere (claim's mkdir would fail on it after the setup).
@@ -141,6 +143,8 @@ class RunFolder:
             if not out.exists():
                 if resume:
                     raise ValueError(f"--resume: no checkpoint to resume: out_dir {_cut(out)} does not exist")
+                if existing is not None and not os.access(existing, os.W_OK | os.X_OK):  # claim's mkdir would fail
+                    raise ValueError(f"out_dir {_cut(out)} cannot be created: {_cut(existing)} is not writable")
                 return None
             fault = _kind_fault(out / LOCK, folder=False)
             if fault:
@@ -210,7 +214,11 @@ class RunFolder:
         """Takes the folder for this run: creates it and locks it (a second process stops here). Call
         `check` first and again after (another process may have changed the folder before the lock
         was taken), then `start`."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a place no folder can be made in (/proc, a read-only mount) that check cannot see
+            raise ValueError(f"out_dir {_cut(self.path)} cannot be created: {e.strerror or type(e).__name__} "
+                             f"({short(str(e))})") from None
         if self.lock_fd is None or self.shared:
             self.unlock()  # hold's shared lock lets others read, not this process write
             self.lock()

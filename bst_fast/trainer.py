@@ -265,6 +265,35 @@ def end_process_group():
         dist.destroy_process_group()
 
 
+def _environment_int(name: str, default: int, lowest: int, highest: Optional[int] = None, why: str = "") -> int:
+    """The environment variable `name` (torchrun sets it) as an int in [lowest, highest], ASCII
+    digits only (int() also takes ' 2', '2_0' and '٢'), `default` when unset; else a ValueError
+    naming it (WORLD_SIZE=0 was a ZeroDivisionError, 'abc' int()'s message naming nothing)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text) if text.isascii() and text.isdigit() else None
+    except ValueError:  # past Python's 4300 digits
+        value = None
+    if value is None or value < lowest or (highest is not None and value > highest):
+        bound = f"from {lowest} to {highest}" if highest is not None else f">= {lowest}"
+        raise ValueError(f"environment variable {name} must be an int {bound}{why}, got {short(text)}")
+    return value
+
+
+def _world() -> int:
+    """WORLD_SIZE, the number of processes: 1 unless launched by torchrun (or another launcher
+    setting it), checked with RANK before torch.distributed reads them."""
+    world = _environment_int("WORLD_SIZE", 1, 1, why=" (the number of processes; unset: 1)")
+    if world > 1:
+        if "RANK" not in os.environ:
+            raise ValueError(f"environment variable WORLD_SIZE is {world}, but RANK is not set: launch the "
+                             f"processes with torchrun, which sets both")
+        _environment_int("RANK", 0, 0, world - 1, " (this process's rank, below WORLD_SIZE)")
+    return world
+
+
 def _device(cfg: TrainConfig, world: int) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and not dist.is_initialized():
@@ -278,7 +307,7 @@ def _device(cfg: TrainConfig, world: int) -> str:
         if not torch.cuda.is_available():
             raise ValueError("config field 'device' is 'cuda', but this torch sees no CUDA device "
                              f"(torch {torch.__version__}); use 'auto' or 'cpu'")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_environment_int("LOCAL_RANK", 0, 0, why=" (this process's GPU on its machine)"))
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"config field 'batch_size' ({cfg.batch_size}) must divide by the number of ranks ({world}) "
                          f"times grad_accum ({cfg.grad_accum})")
@@ -400,7 +429,7 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     batch); only then is the run folder claimed, cleaned and written. An existing folder's lock is
     taken before anything else, so that a folder in use stops this run before it reads a checkpoint."""
     runtime.check_environment()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world()
     device = _device(cfg, world)
     rank = dist.get_rank() if world > 1 else 0
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):

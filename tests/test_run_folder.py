@@ -932,3 +932,50 @@ def test_a_read_only_hard_linked_copy_never_locks_its_original(tmp_path):
     finally:
         reader.kill()
         reader.wait()
+
+
+@pytest.mark.parametrize("world, says", [("0", "got '0'"), ("abc", "got 'abc'"), (" 2", "got ' 2'"), ("٢", "got '٢'"),
+                                         ("-1", "got '-1'")])
+def test_a_bad_world_size_names_the_variable(tmp_path, monkeypatch, world, says):
+    """WORLD_SIZE=0 was a ZeroDivisionError, 'abc' int()'s message naming no variable, '٢' (int()
+    reads 2) a rendezvous that waited for a second process."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=f"environment variable WORLD_SIZE must be an int >= 1 .*{says}"):
+        train(tiny(tmp_path, steps=1))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_ranks_are_checked_before_torch_distributed_reads_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE is 2, but RANK is not set"):
+        train(tiny(tmp_path, steps=1))
+    for rank in ("2", "x"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(ValueError, match=f"environment variable RANK must be an int from 0 to 1 .*got '{rank}'"):
+            train(tiny(tmp_path, steps=1))
+
+
+def test_an_out_dir_no_folder_can_be_made_at_names_out_dir(tmp_path):
+    """A NUL in out_dir was os's "embedded null byte"; /proc/x (a place mkdir refuses) its bare
+    "[Errno 2]": both named no field."""
+    with pytest.raises(ValueError, match="out_dir .* holds a NUL character"):
+        train(tiny(str(tmp_path / "a") + "\0b", steps=1))
+    if os.path.isdir("/proc/self"):
+        for where in ("/proc/bst-fast-x", "/proc/self/bst-fast-x/y"):
+            with pytest.raises(ValueError, match=f"out_dir {where} cannot be created"):
+                train(tiny(where, steps=1))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_that_is_a_device_or_a_pipe_is_named_so(tmp_path, capsys):
+    """data=/dev/null said "no such file or folder"; a named pipe would have blocked reading."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    for path, kind in (("/dev/null", "a character device"), (fifo, "a named pipe")):
+        with pytest.raises(ValueError, match=f"data path {path} is {kind}, not a .txt file or a folder of them"):
+            train(tiny(tmp_path / "run", steps=1, data=str(path), max_len=16))
+    from bst_fast.__main__ import main
+
+    assert main(["tokenize", "/dev/null", "--out", str(tmp_path / "p")]) == 2
+    assert "data path /dev/null is a character device" in capsys.readouterr().err

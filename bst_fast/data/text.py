@@ -119,6 +119,8 @@ def _text_files(paths) -> list[Path]:
                 raise ValueError(f"{_shown(p, True)} is a file of the prepared corpus {_shown(p.parent, True)}: "
                                  f"give the folder as data")
             files.append(p)
+        elif os.path.exists(p):  # read as text it would block (a pipe), end at once or never (a device)
+            raise ValueError(f"data path {_shown(p, True)} is {_special_kind(p)}, not a .txt file or a folder of them")
         else:
             raise FileNotFoundError(f"no such file or folder: {_shown(p, True)}")
     # A file reached twice (a folder and a file in it, or overlapping folders) would put its
@@ -131,6 +133,18 @@ def _text_files(paths) -> list[Path]:
                              f"each file is read once (remove the overlap of the paths, or the link)")
         seen[real] = f
     return files
+
+
+def _special_kind(path) -> str:
+    """What a path that is neither a file nor a folder is, in words."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "neither a file nor a folder"
 
 
 def iter_documents(paths):
