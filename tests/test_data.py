@@ -499,3 +499,24 @@ def test_bpe_sample_keeps_long_and_short_documents_alike():
     assert abs(total / (0.02 * sum(map(len, docs))) - 1) < 0.2  # about the asked share of the text
     assert 0.01 < short_chars / total < 0.04  # their share of the corpus: 40 / 2040, about 2%
     assert kept == list(_spread_sample(iter(docs), 0.02))  # the same sample every time
+
+
+def test_star_nodes_and_layout_sizes_are_ints_never_truncated():
+    """encode_row([(0, 1.7)], 0, 1.7, [0, 1.7]) encoded node 1 (int() truncated it); graph_keys(t,
+    2.5, 3) read G(2, 3) (StarLayout's int())."""
+    from bst_fast.data.star import StarLayout, graph_keys
+
+    tok = StarGraphTokenizer(5)
+    with pytest.raises(ValueError, match="node must be an int >= 0, got 1.7"):
+        tok.encode_row([(0, 1.7)], 0, 1.7, [0, 1.7])
+    for bad in (True, "1", np.float64(1.0), -1):
+        with pytest.raises(ValueError, match="node must be an int >= 0"):
+            tok.encode_row([(0, bad)], 0, 1, [0, 1])
+    assert tok.encode_row([(0, np.int64(1))], 0, torch.tensor(1), [0, 1]) == tok.encode_row([(0, 1)], 0, 1, [0, 1])
+    data = StarGraphData(2, 3, 12, 10, 5)
+    for d, l in ((2.5, 3), (2, 3.0), ("2", 3), (2, 1)):
+        with pytest.raises(ValueError, match=r"(d must be an int >= 1|l must be an int >= 2), got"):
+            graph_keys(data.test_tokens, d, l)
+        with pytest.raises(ValueError, match=r"must be an int"):
+            StarLayout(d, l)
+    assert np.array_equal(graph_keys(data.test_tokens, np.int64(2), 3), graph_keys(data.test_tokens, 2, 3))

@@ -5,6 +5,7 @@ import json
 import math
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -787,3 +788,39 @@ def test_tokenize_corpus_refuses_what_a_given_tokenizer_would_ignore(corpus, tmp
     assert not (tmp_path / "x").exists()
     m = prep.tokenize_corpus(text, tmp_path / "y", tokenizer=tok)  # vocab_size left out: fine
     assert m["vocab_size"] == load_tokenizer(tok).get_vocab_size()
+
+
+def test_a_mixture_refuses_one_corpus_twice_wrong_names_and_a_step_past_int64(two, tmp_path):
+    """The same prepared corpus listed twice (or through a link, or a copy) was accepted, trained on
+    with the sum of its weights and held out twice (raw text refuses one file twice); a names list
+    of the wrong length was cut by zip; batch(2**62, 4, 0) was an OverflowError."""
+    link = tmp_path / "link"
+    link.symlink_to(two[0])
+    copy = tmp_path / "copy"
+    shutil.copytree(two[0], copy)
+    for again in (two[0], link, copy):
+        with pytest.raises(ValueError, match=r"config field 'data': .*c0 and .* are the same corpus"):
+            prep.open_data([[str(two[0]), 1], [str(two[1]), 1], [str(again), 2]], 16)
+    parts = [prep.prepared_text_data(p, 16) for p in two]
+    with pytest.raises(ValueError, match="are the same corpus"):
+        prep.MixtureData([parts[0], parts[1], parts[0]], [1, 1, 1])
+    for names in (["a"], ["a", "b", "c"], [1, 2]):
+        with pytest.raises(ValueError, match="a mixture of 2 corpora needs 2 names"):
+            prep.MixtureData(parts, [1, 1], names=names)
+    mix = prep.MixtureData(parts, [1, 1])
+    top = np.iinfo(np.int64).max // 4
+    for step in (2**62, np.int64(2**62), top):
+        with pytest.raises(ValueError, match=f"step must be below {top} at batch_size 4"):
+            mix.batch(step, 4, 0)
+    assert mix.batch(top - 1, 4, 0)[0].shape[0] == 4  # the last step whose slots fit
+
+
+def test_text_data_refuses_paths_that_are_not_paths(corpus):
+    """TextData(None, ...) was "'NoneType' object is not iterable"; an empty list "no documents"."""
+    text, tok, _ = corpus
+    tokenizer = load_tokenizer(tok)
+    for paths, says in ((None, "got NoneType None"), (5, "got int 5"), (b"a.txt", "got bytes"),
+                        ([str(text), None], "one is NoneType None"), ([], "no data paths given")):
+        with pytest.raises(ValueError, match=says):
+            TextData(paths, tokenizer, 32)
+    assert TextData((str(text),), tokenizer, 32).n_documents == TextData(text, tokenizer, 32).n_documents

@@ -616,10 +616,21 @@ class MixtureData(_Batches):
         """parts: TextData of prepared corpora; weights: one finite weight > 0 each."""
         if not parts:
             raise ValueError("a mixture needs at least one corpus")
-        names = list(names or [f"corpus {k}" for k in range(len(parts))])
+        names = [f"corpus {k}" for k in range(len(parts))] if names is None else list(names)
+        if len(names) != len(parts) or not all(isinstance(n, str) for n in names):  # zip dropped the extra
+            raise ValueError(f"a mixture of {len(parts)} corpora needs {len(parts)} names (strings), got {_shown(names)}")
         weights = [float(w) for w in weights]
         if len(weights) != len(parts):
             raise ValueError(f"a mixture of {len(parts)} corpora needs {len(parts)} weights, got {len(weights)}")
+        # One corpus twice (or through a link, or a copy) would be trained on with the sum of its
+        # weights and held out twice in the held-out loss: refused, as raw text refuses a file twice.
+        seen = {}
+        for name, p in zip(names, parts):
+            key = p.fingerprint()["sha256"]  # a prepared corpus's manifest fingerprint: read, not computed
+            if key in seen:
+                raise ValueError(f"{seen[key]} and {name} are the same corpus (fingerprint {key[:12]}...): list it "
+                                 f"once, with the weight it should have")
+            seen[key] = name
         for name, w in zip(names, weights):
             if not math.isfinite(w) or w <= 0:
                 raise ValueError(f"the weight of {name} must be a finite number > 0, got {_shown(w)}")
@@ -697,7 +708,11 @@ class MixtureData(_Batches):
     def batch(self, step: int, batch_size: int, seed: int):
         """Training batch `step`: (tokens (B, L_max) int64 padded with PAD, lengths (B,) int64),
         and packed, documents (B, L_max) int64 (as TextData.batch)."""
+        step, batch_size = check_int("step", step, 0), check_int("batch_size", batch_size, 1)  # Python ints
         which = self.draw(step, batch_size, seed)
+        if (step + 1) * batch_size > np.iinfo(np.int64).max:  # the slots are int64 (2**62 was an OverflowError)
+            raise ValueError(f"step must be below {np.iinfo(np.int64).max // batch_size} at batch_size {batch_size} "
+                             f"(a mixture numbers its rows' slots step * batch_size + r in int64), got {_shown(step)}")
         slots = step * batch_size + np.arange(batch_size, dtype=np.int64)
         pieces = []
         for c in np.unique(which):
@@ -752,7 +767,10 @@ def open_data(data, max_len: int, held_out: float = 0.05, seed: int = 0, pack: b
              for c in opened]
     if len(parts) == 1:
         return parts[0]
-    return MixtureData(parts, [w for _, w in entries], names=[p for p, _ in entries], seed=seed)
+    try:
+        return MixtureData(parts, [w for _, w in entries], names=[p for p, _ in entries], seed=seed)
+    except ValueError as e:  # e.g. one corpus listed twice
+        raise ValueError(f"config field 'data': {e}") from None
 
 
 def _size(mb: float) -> str:

@@ -50,8 +50,8 @@ class StarGraphTokenizer:
         self.vocab_size = self.n_nodes + len(self.SPECIALS)
 
     def _node(self, x) -> int:
-        x = int(x)
-        if not 0 <= x < self.n_nodes:
+        x = check_int("node", x, 0)  # int(1.7) was node 1
+        if not x < self.n_nodes:
             raise ValueError(f"node {x} is outside 0..{self.n_nodes - 1}")
         return x
 
@@ -152,7 +152,7 @@ class StarLayout:
     """Positions in a G(d, l) row; the same for every row, so no per-row prefix is needed."""
 
     def __init__(self, d: int, l: int):
-        self.d, self.l = int(d), int(l)
+        self.d, self.l = check_int("d", d, 1), check_int("l", l, 2)  # int(2.5) was d = 2; the path counts s and g
 
     @property
     def path_len(self) -> int:

@@ -93,8 +93,16 @@ def _shown(value, text: bool = False) -> str:
 
 
 def _text_files(paths) -> list[Path]:
-    if isinstance(paths, (str, Path)):
+    if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    expected = "a .txt file or a folder of them, or a list of those"
+    if not isinstance(paths, (list, tuple)):  # None was "'NoneType' object is not iterable"
+        raise ValueError(f"the data paths must be {expected}, got {type(paths).__name__} {_shown(paths)}")
+    if not paths:
+        raise ValueError(f"no data paths given: expected {expected}")
+    for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            raise ValueError(f"the data paths must be {expected}; one is {type(p).__name__} {_shown(p)}")
     files, prepared = [], {}  # prepared: is_prepared of each parent folder, read once (many files, one manifest)
     for p in map(Path, paths):
         # os.path's tests, not Path's: they answer False (not an OSError quoting it) for a path too
