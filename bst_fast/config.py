@@ -22,6 +22,14 @@ from .model import ModelConfig
 
 METHODS = ("bst", "forward", "augment", "fim", "teacherless")
 STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defined on star graphs
+# Fields only one kind of data reads: a non-default value on the other kind is refused (the run would
+# ignore it), and on resume they are no difference there (older versions let a config set them).
+STAR_FIELDS = ("star_degree", "star_path_len", "star_nodes", "n_train", "n_test", "augment_prob")
+TEXT_FIELDS = ("text_vocab", "max_len")  # tokenizer, pack and max_doc_tokens have their own checks
+# The BST's objective: the other methods read none of these (reduction and augment_prob are left to
+# every method, as their comments say), so a non-default value is refused there, and is no
+# difference on resume.
+BST_FIELDS = ("pairs", "next_weight", "gamma", "min_gap", "max_gap", "meet_token")
 
 
 def bundled_configs() -> Path:
@@ -149,6 +157,12 @@ class TrainConfig:
             bad("method", f"one of {METHODS}")
         if self.method in STAR_ONLY and self.data != "star":
             bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
+        if self.method != "bst":
+            for name in BST_FIELDS:
+                default = TrainConfig.__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    bad(name, f"its default {default!r} for method {self.method!r} (it is a field of the BST's "
+                        "objective, which this method does not read)")
         if self.method == "augment" and self.star_path_len < 3:
             bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
         if not 0.0 <= self.augment_prob <= 1.0:
@@ -175,12 +189,12 @@ class TrainConfig:
             bad("pack", "false for star-graph data (a star graph fills its row: packing is for text documents)")
         if self.max_doc_tokens and self.data == "star":
             bad("max_doc_tokens", "0 for star-graph data (it drops long text documents)")
-        if self.data == "star":  # text fields a star-graph run would silently ignore
-            for name, why in (("text_vocab", "the star graph's labels set the vocabulary"),
-                              ("max_len", "a star graph's row length comes from star_degree and star_path_len")):
-                default = TrainConfig.__dataclass_fields__[name].default
-                if getattr(self, name) != default:
-                    bad(name, f"its default {default} for star-graph data ({why}; it is a text field)")
+        # fields of the other kind of data, which this run would silently ignore
+        for name in TEXT_FIELDS if self.data == "star" else STAR_FIELDS:
+            default = TrainConfig.__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                kind = "star-graph data (it is a text field" if self.data == "star" else "text data (it is a star-graph field"
+                bad(name, f"its default {default} for {kind}, which this run does not read)")
         if self.data != "star" and self.text_vocab < 259:
             bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:
@@ -433,12 +447,17 @@ SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep
 
 def config_changes(then: dict, now: dict, allowed=()) -> dict:
     """The fields in which two TrainConfig dicts differ, but for `allowed`: {field: (then, now)}, the
-    model's named model.<field>. Text fields a star run never reads (older versions let a config set
-    them) are no difference."""
-    unread = ("text_vocab", "max_len") if now["data"] == "star" else ()
+    model's named model.<field>. Fields the run never reads (TrainConfig.check refuses them now; older
+    versions let a config set them) are no difference: the other kind of data's, and the BST's
+    objective (with the GPT head gamma added) for another method."""
+    unread = TEXT_FIELDS if now["data"] == "star" else STAR_FIELDS
+    unread_model = ()
+    if now["method"] != "bst":
+        unread, unread_model = unread + BST_FIELDS, ("gpt_head",)
     diff = {k: (then.get(k), v) for k, v in now.items()
             if k not in allowed and k != "model" and k not in unread and then.get(k) != v}
-    diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items() if then["model"].get(k) != v})
+    diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items()
+                 if k not in unread_model and then["model"].get(k) != v})
     return diff
 
 

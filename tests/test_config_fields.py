@@ -139,3 +139,77 @@ def test_numpy_scalars_and_paths_are_the_values_they_hold(tmp_path):
     for bad in (["a"], [8.0], "8"):
         with pytest.raises(ValueError, match="'model.head_hidden' must be an int or a list of ints"):
             resolve_config(**{"model.head_hidden": bad})
+
+
+def corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    words = "the cat sat on a mat and ran to see the dog who barked at it".split()
+    path.write_text("\n\n".join(" ".join(words[: 3 + (k * 7) % 13]) for k in range(50)))
+    return str(path)
+
+
+TEXT = dict(text_vocab=270, max_len=24, star_degree=2, star_path_len=5, star_nodes=50, n_test=500)  # star fields at defaults
+
+
+@pytest.mark.parametrize("changes, field", [({"star_nodes": 99}, "star_nodes"), ({"n_test": 50}, "n_test"),
+                                            ({"star_path_len": 3}, "star_path_len"), ({"n_train": 10}, "n_train"),
+                                            ({"augment_prob": 0.2}, "augment_prob")])
+def test_star_fields_on_a_text_run_are_refused(tmp_path, changes, field):
+    """Text fields on a star run were refused, star fields on a text run accepted and ignored."""
+    with pytest.raises(ValueError, match=f"'{field}' must be its default .* for text data"):
+        resolve_config(TINY, **{**TEXT, "data": corpus(tmp_path), **changes}).check()
+
+
+@pytest.mark.parametrize("method", ["forward", "teacherless", "fim", "augment"])
+@pytest.mark.parametrize("changes, field", [({"pairs": 0.5}, "pairs"), ({"next_weight": 0.2}, "next_weight"),
+                                            ({"gamma": 0.5}, "gamma"), ({"min_gap": 1, "meet_token": 10**6}, "min_gap"),
+                                            ({"max_gap": 3}, "max_gap"), ({"meet_token": "eos"}, "meet_token")])
+def test_objective_fields_on_a_method_that_does_not_read_them_are_refused(method, changes, field):
+    """method=forward with pairs, next_weight, gamma, min_gap/meet_token or max_gap trained as without
+    them (an out-of-vocabulary meet_token too; gamma > 0 saved model.gpt_head: true)."""
+    with pytest.raises(ValueError, match=f"'{field}' must be its default .* for method '{method}'"):
+        resolve_config(TINY, method=method, **changes).check()
+    resolve_config(TINY, method=method, reduction="row_mean", augment_prob=0.2).check()  # left to every method
+
+
+def test_star_trains_the_bst_objective_and_a_baseline_without_it(tmp_path, monkeypatch):
+    """star trains every method from one config: a BST objective setting reaches the BST run and the
+    forward-only run, which refuses it, trains without it."""
+    import bst_fast.trainer as trainer
+    from bst_fast import experiments
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, **kw: seen.append(cfg) or {"path_accuracy": 1.0, "loss": 0.0})
+    cfg = resolve_config(TINY, out_dir=str(tmp_path), gamma=0.5, min_gap=1, meet_token="eos", pairs=0.5, next_weight=0.2,
+                         **{"model.gpt_head": True})  # as a saved BST run's config holds it, set from gamma
+    experiments.star(cfg)
+    (bst, fwd), fields = seen, ("gamma", "min_gap", "meet_token", "pairs", "next_weight")
+    assert [getattr(bst, f) for f in fields] == [0.5, 1, "eos", 0.5, 0.2]
+    assert [getattr(fwd, f) for f in fields] == [getattr(TrainConfig(), f) for f in fields]
+
+
+@pytest.mark.parametrize("kind", ["forward", "text"])
+def test_a_run_saved_with_unread_fields_loads_and_resumes_without_them(tmp_path, monkeypatch, kind):
+    """A run an earlier version trained with fields it does not read (pairs/gamma on forward, star_nodes on
+    text) saved them in config.json: it still loads, and resumes from a config that leaves them out
+    (they were "{'star_nodes': (50, 99)}" to resume)."""
+    from bst_fast import config, load_model, train
+    from bst_fast.checkpoint import latest_checkpoint
+
+    base = dict(out_dir=str(tmp_path / "run"), steps=4, eval_every=0, ckpt_every=2)
+    if kind == "forward":
+        now, unread = dict(base, method="forward"), {"pairs": 0.5, "gamma": 0.5, "max_gap": 3}
+    else:
+        now, unread = dict(base, data=corpus(tmp_path), **TEXT), {"star_nodes": 99, "n_test": 7}
+    with monkeypatch.context() as m:  # the earlier version: no refusal
+        m.setattr(config, "BST_FIELDS", ())
+        m.setattr(config, "STAR_FIELDS", ())
+        train(TINY, stop_at=2, **{**now, **unread})
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "config.json").read_text())
+    assert all(saved[k] == v for k, v in unread.items())
+    model, cfg = load_model(tmp_path / "run")
+    assert all(getattr(cfg, k) == v for k, v in unread.items())
+    with pytest.raises(ValueError, match=f"'{next(iter(unread))}' must be its default"):
+        train(TINY, resume=True, **{**now, **unread})
+    train(TINY, resume=True, **now)
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000004"
