@@ -17,11 +17,19 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from ._checks import short
+from ._checks import plain_number, short
 from .model import ModelConfig
 
 METHODS = ("bst", "forward", "augment", "fim", "teacherless")
 STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defined on star graphs
+# Fields only one kind of data reads: a non-default value on the other kind is refused (the run would
+# ignore it), and on resume they are no difference there (older versions let a config set them).
+STAR_FIELDS = ("star_degree", "star_path_len", "star_nodes", "n_train", "n_test", "augment_prob")
+TEXT_FIELDS = ("text_vocab", "max_len")  # tokenizer, pack and max_doc_tokens have their own checks
+# The BST's objective: the other methods read none of these (reduction and augment_prob are left to
+# every method, as their comments say), so a non-default value is refused there, and is no
+# difference on resume.
+BST_FIELDS = ("pairs", "next_weight", "gamma", "min_gap", "max_gap", "meet_token")
 
 
 def bundled_configs() -> Path:
@@ -110,7 +118,9 @@ class TrainConfig:
     # ---- loading ----
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
-        return _from_dict(cls, d, "")
+        """A config from a mapping of fields, the model's as a mapping or as dotted keys
+        (`model.n_layer`), as `apply_overrides` takes them: a file, a dict config and `--set` alike."""
+        return apply_overrides(TrainConfig(), d)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "TrainConfig":
@@ -120,7 +130,7 @@ class TrainConfig:
         path = config_path(path)
         yaml_file = path.suffix.lower() in (".yaml", ".yml")  # config.YAML too
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, which some editors write, is dropped
         except UnicodeDecodeError as e:
             raise ValueError(f"config {path} is not UTF-8 text: {e}") from None
         try:
@@ -147,6 +157,12 @@ class TrainConfig:
             bad("method", f"one of {METHODS}")
         if self.method in STAR_ONLY and self.data != "star":
             bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
+        if self.method != "bst":
+            for name in BST_FIELDS:
+                default = TrainConfig.__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    bad(name, f"its default {default!r} for method {self.method!r} (it is a field of the BST's "
+                        "objective, which this method does not read)")
         if self.method == "augment" and self.star_path_len < 3:
             bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
         if not 0.0 <= self.augment_prob <= 1.0:
@@ -154,6 +170,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "star_degree", "star_nodes", "n_test", "text_vocab", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
+        for name in ("data", "out_dir"):  # Path("") is the current folder: every *.txt there was read, or written into
+            if getattr(self, name) == "":
+                bad(name, "a non-empty path ('' is the current folder)")
         if not isinstance(self.data, str):
             self.data = _data_list(self.data, "data")
             if not self.data:
@@ -170,12 +189,12 @@ class TrainConfig:
             bad("pack", "false for star-graph data (a star graph fills its row: packing is for text documents)")
         if self.max_doc_tokens and self.data == "star":
             bad("max_doc_tokens", "0 for star-graph data (it drops long text documents)")
-        if self.data == "star":  # text fields a star-graph run would silently ignore
-            for name, why in (("text_vocab", "the star graph's labels set the vocabulary"),
-                              ("max_len", "a star graph's row length comes from star_degree and star_path_len")):
-                default = TrainConfig.__dataclass_fields__[name].default
-                if getattr(self, name) != default:
-                    bad(name, f"its default {default} for star-graph data ({why}; it is a text field)")
+        # fields of the other kind of data, which this run would silently ignore
+        for name in TEXT_FIELDS if self.data == "star" else STAR_FIELDS:
+            default = TrainConfig.__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                kind = "star-graph data (it is a text field" if self.data == "star" else "text data (it is a star-graph field"
+                bad(name, f"its default {default} for {kind}, which this run does not read)")
         if self.data != "star" and self.text_vocab < 259:
             bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
         if self.star_path_len < 2:
@@ -254,11 +273,14 @@ class TrainConfig:
 
 def _unknown_field(key: str, bad: str, known) -> ValueError:
     """The error for an unknown config field: it names the key as given, the closest known field
-    and every known field at that level."""
+    (a nested config's field of that exact name first: `n_layer` is 'model.n_layer') and every
+    known field at that level."""
     *parents, leaf = bad.split(".")
     prefix = "".join(p + "." for p in parents)
-    close = difflib.get_close_matches(leaf, list(known), n=1)
-    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    nested = [f"{p}.{leaf}" for p, f in known.items() if dataclasses.is_dataclass(field_default(f))
+              and leaf in {g.name for g in fields(type(field_default(f)))}]
+    close = nested or [prefix + c for c in difflib.get_close_matches(leaf, list(known), n=1)]
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     where = f" of {prefix[:-1]!r}" if prefix else ""
     what = "" if key == bad else f": {short(bad)} is not a field"
     return ValueError(f"config field {short(key)} is unknown{what}{hint}; known fields{where}: {sorted(known)}")
@@ -268,6 +290,37 @@ def field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+# TrainConfig's fields that name files or folders: an os.PathLike is taken (stored as its str).
+PATH_FIELDS = ("data", "out_dir", "tokenizer")
+# The int fields' upper bound, checked here for every one (the model's too): past it a size reached
+# numpy, torch or C longs as an OverflowError, a MemoryError or a C++ frame dump naming no field.
+MAX_INT, MAX_INT_TEXT = 2**31 - 1, "2**31 - 1"
+# Tighter bounds where the code needs them: the MLP width round(mlp_ratio * d_model) is at most
+# 2**24 (ModelConfig.check), so a d_model past it was blamed on mlp_ratio.
+INT_BOUNDS = {"model.d_model": (2**24, "2**24")}
+# Ints with a range of their own: seed's (TrainConfig.check), max_gap's (any size is no limit) and
+# meet_token's (an id of the data's vocabulary).
+UNBOUNDED_INTS = ("seed", "max_gap", "meet_token")
+
+
+def _plain(value):
+    """A numpy scalar as the Python bool, int or float it holds (a config built with numpy passes
+    np.int64, np.float32, np.bool_); anything else as it is, for the field's checks."""
+    import numpy as np
+
+    return bool(value) if isinstance(value, np.bool_) else plain_number(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bound(name: str, value: int):
+    bound, text = INT_BOUNDS.get(name, (MAX_INT, MAX_INT_TEXT))
+    if value > bound:
+        raise ValueError(f"config field {short(name)} must be at most {text} = {bound}, got {short(value)}")
+
+
 def _data_list(value, name: str) -> list:
     """TrainConfig.data given as a list: each entry a path or a [path, weight] pair, returned as
     [[path, weight], ...] (weight 1.0 where none is given); a ValueError naming the field otherwise.
@@ -275,24 +328,22 @@ def _data_list(value, name: str) -> list:
     out = []
     for entry in value:
         if isinstance(entry, (str, os.PathLike)):
-            out.append([str(entry), 1.0])
+            out.append([os.fspath(entry), 1.0])
             continue
         if isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)):
-            weight = entry[1]
-            if isinstance(weight, str):  # 5e-1: YAML 1.1 text, a number written as text is the number
-                try:
-                    weight = float(weight)
-                except ValueError:
-                    pass
+            weight = _plain(entry[1])
             if isinstance(weight, (int, float)) and not isinstance(weight, bool):
-                out.append([str(entry[0]), float(weight)])
+                out.append([os.fspath(entry[0]), float(weight)])
                 continue
         raise ValueError(f"config field {short(name)} must be a path, or a list of prepared corpora each a path or "
                          f"a [path, weight] pair; got the entry {short(entry)}")
+    if any(not isinstance(path, str) for path, _ in out):  # a bytes path (os.fspath of a bytes PathLike)
+        raise ValueError(f"config field {short(name)} must hold str paths, got {short(value)}")
     return out
 
 
 def _from_dict(cls, d, prefix):
+    """cls (TrainConfig or a nested config) from a mapping of its own fields, each value's type checked."""
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in d.items():
@@ -300,11 +351,23 @@ def _from_dict(cls, d, prefix):
         if key not in known:
             raise _unknown_field(name, name, known)
         default = field_default(known[key])
+        value = _plain(value)
+        if cls is TrainConfig and key in PATH_FIELDS and isinstance(value, os.PathLike):
+            value = os.fspath(value)  # a bytes path stays bytes, refused below
         if key == "data" and isinstance(value, (list, tuple)) and cls is TrainConfig:
             value = _data_list(value, name)
         elif key == "pack" and cls is TrainConfig:
             if not (isinstance(value, bool) or (isinstance(value, str) and value == "split")):
                 raise ValueError(f"config field {short(name)} must be false, true or 'split', got {short(value)}")
+        elif key == "head_hidden" and cls is ModelConfig:
+            if isinstance(value, tuple):
+                value = list(value)
+            entries = [_plain(v) for v in value] if isinstance(value, list) else [value]
+            if not all(_is_int(v) for v in entries):
+                raise ValueError(f"config field {short(name)} must be an int or a list of ints, got {short(value)}")
+            for v in entries:
+                _check_bound(name, v)
+            value = entries if isinstance(value, list) else value
         elif dataclasses.is_dataclass(default):
             if isinstance(value, type(default)):
                 value = dataclasses.asdict(value)  # checked like a mapping, and copied
@@ -315,33 +378,23 @@ def _from_dict(cls, d, prefix):
             want = type(default)
             if value is None:  # only a field whose default is None takes null
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got None")
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if want is float and isinstance(value, str):
-                # YAML 1.1 reads 3e-4 (no dot) as a string: a number written as text is the number
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
+            if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = float(value)  # an int, or a float subclass (np.float64), as the plain float
             if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = str(value)  # data: 2024 names a file or folder called 2024
-            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
-            if key == "head_hidden" and isinstance(value, list):
-                ok = all(isinstance(v, int) for v in value)
-            if not ok:
+                # the text as written is lost (0.10 was stored as '0.1', 2024.10 as '2024.1')
+                raise ValueError(f"config field {short(name)} must be str, got the number {short(value)} (quote it "
+                                 f"in a YAML file to keep the name as written)")
+            if not (isinstance(value, want) and not (want is not bool and isinstance(value, bool))):
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
+            if want is int and key not in UNBOUNDED_INTS:
+                _check_bound(name, value)
         elif key == "max_gap" and value is not None:
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_int(value):
                 raise ValueError(f"config field {short(name)} must be None or an int, got {short(value)}")
         elif key == "meet_token" and value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"config field {short(name)} must be None, 'eos' or a token id, got {short(value)}")
         elif key == "pairs" and value is not None:
-            if isinstance(value, str):  # 5e-1 (YAML 1.1 text), as for the float fields above
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"config field {short(name)} must be None or a fraction, got {short(value)}")
             value = float(value)
@@ -378,7 +431,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
             node[leaf] = {**node[leaf], **value}  # a partial mapping changes only the fields it names
         else:
             node[leaf] = value
-    return TrainConfig.from_dict(d)
+    return _from_dict(TrainConfig, d, "")
 
 
 # Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
@@ -394,12 +447,17 @@ SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep
 
 def config_changes(then: dict, now: dict, allowed=()) -> dict:
     """The fields in which two TrainConfig dicts differ, but for `allowed`: {field: (then, now)}, the
-    model's named model.<field>. Text fields a star run never reads (older versions let a config set
-    them) are no difference."""
-    unread = ("text_vocab", "max_len") if now["data"] == "star" else ()
+    model's named model.<field>. Fields the run never reads (TrainConfig.check refuses them now; older
+    versions let a config set them) are no difference: the other kind of data's, and the BST's
+    objective (with the GPT head gamma added) for another method."""
+    unread = TEXT_FIELDS if now["data"] == "star" else STAR_FIELDS
+    unread_model = ()
+    if now["method"] != "bst":
+        unread, unread_model = unread + BST_FIELDS, ("gpt_head",)
     diff = {k: (then.get(k), v) for k, v in now.items()
             if k not in allowed and k != "model" and k not in unread and then.get(k) != v}
-    diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items() if then["model"].get(k) != v})
+    diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items()
+                 if k not in unread_model and then["model"].get(k) != v})
     return diff
 
 
@@ -435,15 +493,20 @@ def load_yaml(text: str):
                     seen.add(key)
             return node
 
-    # Numbers as a reader of the file means them: YAML 1.1 reads 010 as octal 8, 0x1f as 31 and 1:04
-    # as 64 (base 60), silently. Here an integer is decimal (underscores allowed, no leading zero)
-    # and a float has no base-60 form; those other spellings stay text, which a numeric field refuses.
-    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-    Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in (int_tag, float_tag)]
+    # Scalars as a reader of the file means them, YAML 1.2's core schema: YAML 1.1 reads 010 as octal
+    # 8, 0x1f as 31, 1:04 as 64 (base 60) and yes/no/on/off as booleans, silently. Here an integer
+    # is decimal (underscores allowed, no leading zero), a float has a dot or an exponent and no
+    # base-60 form, and a boolean is true or false; those other spellings stay text, which a
+    # numeric or boolean field refuses.
+    int_tag, float_tag, bool_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers
+                                              if tag not in (int_tag, float_tag, bool_tag)]
                                       for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     Loader.add_implicit_resolver(int_tag, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789"))
-    Loader.add_implicit_resolver(float_tag, re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
-                                                        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    Loader.add_implicit_resolver(float_tag, re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                                                        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                                                        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
                                                         |[-+]?\.(?:inf|Inf|INF)
                                                         |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
     Loader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node).replace("_", ""), 10))

@@ -21,7 +21,7 @@ from typing import Optional
 
 from . import trainer
 from .checkpoint import latest_checkpoint
-from .config import TrainConfig, apply_sets
+from .config import BST_FIELDS, TrainConfig, apply_sets
 
 
 def is_rank0() -> bool:
@@ -44,7 +44,8 @@ def _train_run(cfg, resume):
 
 def _series_base(base: TrainConfig, command: str) -> TrainConfig:
     """Path accuracy is a star-graph figure: on text data the table would be a column of nan. Returns
-    `base` with the model fields each run's data sets (module docstring) at their defaults."""
+    `base` with the model fields each run's data sets (module docstring), and model.gpt_head, which
+    each run's gamma sets, at their defaults."""
     from ._checks import short
 
     if base.data != "star":
@@ -53,8 +54,23 @@ def _series_base(base: TrainConfig, command: str) -> TrainConfig:
     from .tasks import DATA_SET_FIELDS
 
     fields = type(base.model).__dataclass_fields__
-    model = dataclasses.replace(base.model, **{name: fields[name].default for name in DATA_SET_FIELDS})
+    # gpt_head too: the trainer sets it from gamma, which a baseline's run leaves at 0 (_method_config)
+    model = dataclasses.replace(base.model, **{name: fields[name].default for name in (*DATA_SET_FIELDS, "gpt_head")})
     return dataclasses.replace(base, model=model)
+
+
+def _method_config(base: TrainConfig, method: str) -> TrainConfig:
+    """A copy of `base` for one run of a series: its method, and for a method other than the BST the
+    objective's fields (config.BST_FIELDS, which only the BST reads and check refuses elsewhere) at
+    their defaults, so that a BST setting of the base config reaches the BST runs and the baselines
+    still run."""
+    cfg = copy.deepcopy(base)
+    cfg.method = method
+    if method != "bst":
+        fields = TrainConfig.__dataclass_fields__
+        for name in BST_FIELDS:
+            setattr(cfg, name, fields[name].default)
+    return cfg
 
 
 def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
@@ -65,8 +81,7 @@ def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
         raise ValueError(f"methods (star --methods) must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)
     for method in methods:
-        cfg = copy.deepcopy(base)
-        cfg.method = method
+        cfg = _method_config(base, method)
         cfg.out_dir = str(Path(base.out_dir) / method)
         configs.append(cfg.check())
     rows = []
@@ -91,8 +106,8 @@ TABLE_ROWS = (
     ("BST w/o Prev", {"method": "bst", "next_weight": 1.0}),
     ("BST w/o backward", {"method": "bst", "model.backward_encoder": False}),
 )
-# Every row starts from the full BST's settings, so a base config's ablation never reaches the row
-# labelled "BST".
+# The fields the rows set (with method): a base config must leave them at these, their defaults,
+# so that no ablation of its own reaches the row labelled "BST" and none is replaced silently.
 TABLE_BASE = {"next_weight": 0.5, "model.backward_encoder": True}
 
 
@@ -149,12 +164,21 @@ def _check_out(out: Path):
 def table(base: TrainConfig, resume: bool = False, out: Optional[str] = None, note: Optional[str] = None):
     """Trains every row of TABLE_ROWS on one config (each in out_dir/<row>) and prints path accuracy
     per method; `out`: also write the table there, below `note`."""
+    from ._checks import short
+
     base = _series_base(base, "table")
+    for name, default in {"method": "bst", **TABLE_BASE}.items():
+        value = getattr(base.model, name[len("model."):]) if name.startswith("model.") else getattr(base, name)
+        if value != default:
+            raise ValueError(f"config field {name!r} is {short(value)}: table sets it in each row (the rows are the "
+                             f"paper's baselines and ablations), so the config must leave it at {default!r}; "
+                             f"train one setting with the train command")
     if out:
         _check_out(Path(out))
     rows = []  # every row's config is checked before the first one trains
     for label, changes in TABLE_ROWS:
-        cfg = apply_sets(base, [f"{k}={json.dumps(v)}" for k, v in {**TABLE_BASE, **changes}.items()]).check()
+        rest = [f"{k}={json.dumps(v)}" for k, v in changes.items() if k != "method"]
+        cfg = apply_sets(_method_config(base, changes["method"]), rest).check()
         cfg.out_dir = str(Path(base.out_dir) / label.split(" (")[0].replace(" ", "_").replace("/", ""))
         rows.append((label, cfg))
     lines = []

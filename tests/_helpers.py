@@ -244,3 +244,11 @@ def checked_draw(p, sets, pairs):
         k = min(max(1, round(pairs * len(s))) if isinstance(pairs, float) else pairs, len(s))
         assert len(drawn) == k, (r, drawn, k)
     return chosen
+
+
+def star_fields_for(data) -> dict:
+    """configs/tiny_test.yaml's star-graph fields at their defaults when `data` is text, which refuses
+    them (TrainConfig.check: a text run does not read them); {} for star graphs."""
+    from bst_fast.config import STAR_FIELDS, TrainConfig
+
+    return {} if data == "star" else {k: TrainConfig.__dataclass_fields__[k].default for k in STAR_FIELDS}

@@ -20,6 +20,7 @@ from bst_fast.checkpoint import (BEST, BEST_JSON, CHECKSUMS, CheckpointWriteErro
 from bst_fast.config import resolve_config
 from bst_fast.files import sha256
 from bst_fast.trainer import TrainingStopped, build_run
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(out_dir, **changes):
-    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+    return resolve_config(TINY, out_dir=str(out_dir), **{**star_fields_for(changes.get("data", "star")), **changes})
 
 
 def rehash(ckpt: Path):

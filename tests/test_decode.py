@@ -12,6 +12,7 @@ from bst_fast import decode
 from bst_fast.__main__ import main
 from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig
 from bst_fast import TrainConfig, train
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -364,7 +365,7 @@ def test_belief_states_and_probe_known_cases():
 
 def tiny(tmp_path, **changes):
     d = TrainConfig.load(TINY).to_dict()
-    d.update(out_dir=str(tmp_path), **changes)
+    d.update(out_dir=str(tmp_path), **{**star_fields_for(changes.get("data", "star")), **changes})
     return TrainConfig.from_dict(d)
 
 

@@ -22,6 +22,7 @@ from bst_fast.data import prepared as prep
 from bst_fast.data import text as text_mod
 from bst_fast.data.encode import PieceEncoder, piece_encodable
 from bst_fast.tasks import TextTask
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -30,7 +31,7 @@ WORDS = "once upon a time little tom saw a big red ball and he was very happy to
 
 def tiny(out, **changes):
     d = TrainConfig.load(TINY).to_dict()
-    d.update(out_dir=str(out), **changes)
+    d.update(out_dir=str(out), **{**star_fields_for(changes.get("data", "star")), **changes})
     return TrainConfig.from_dict(d)
 
 
@@ -293,9 +294,10 @@ def test_mixture_draws_rows_by_weight(two, tmp_path):
 
 def test_mixture_trains_and_resumes_from_a_yaml_list(two, tmp_path):
     yaml = tmp_path / "mix.yaml"
-    # TINY's own steps, eval_every and ckpt_every left out: a key written twice is refused
+    # TINY's own steps, eval_every and ckpt_every left out (a key written twice is refused), and its
+    # star-graph fields (a text run refuses them)
     base = "".join(line for line in TINY.read_text().splitlines(keepends=True)
-                   if line.split(":")[0] not in ("steps", "eval_every", "ckpt_every"))
+                   if line.split(":")[0] not in ("steps", "eval_every", "ckpt_every", *star_fields_for(two)))
     yaml.write_text(base + f"data:\n  - [{two[0]}, 2]\n  - {two[1]}\nmax_len: 16\nsteps: 4\n"
                     f"eval_every: 2\nckpt_every: 2\nout_dir: {tmp_path / 'run'}\n")
     cfg = TrainConfig.load(yaml)

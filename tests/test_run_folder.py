@@ -20,13 +20,14 @@ from bst_fast.checkpoint import CHECKSUMS, latest_checkpoint, prune
 from bst_fast.config import resolve_config
 from bst_fast.files import sha256, sha256_written, start_writeback
 from bst_fast.run_folder import LOCK, MARKER, RunFolder
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
 
 
 def tiny(out_dir, **changes):
-    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+    return resolve_config(TINY, out_dir=str(out_dir), **{**star_fields_for(changes.get("data", "star")), **changes})
 
 
 def cli(*args, cwd=None, env=None, **kw):

@@ -15,6 +15,7 @@ from bst_fast.data import TextData, load_tokenizer
 from bst_fast.data.packing import pack_greedily, padding_fraction
 from bst_fast.data.prepared import open_data, tokenize_corpus
 from bst_fast.trainer import build_run, train_step
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -138,7 +139,7 @@ def test_packed_batches_are_pure_functions_of_seed_and_step(pack):
 
 
 def tiny(out_dir, **changes):
-    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+    return resolve_config(TINY, out_dir=str(out_dir), **{**star_fields_for(changes.get("data", "star")), **changes})
 
 
 def corpus(tmp_path):

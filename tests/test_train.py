@@ -14,6 +14,7 @@ from bst_fast import TrainConfig, load_model, train
 from bst_fast.checkpoint import latest_checkpoint
 from bst_fast.files import sha256
 from bst_fast.run_folder import MARKER
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -21,7 +22,7 @@ TINY = ROOT / "configs" / "tiny_test.yaml"
 
 def tiny(tmp_path, **changes):
     d = TrainConfig.load(TINY).to_dict()
-    d.update(out_dir=str(tmp_path), **changes)
+    d.update(out_dir=str(tmp_path), **{**star_fields_for(changes.get("data", "star")), **changes})
     return TrainConfig.from_dict(d)
 
 
@@ -35,9 +36,10 @@ def same_params(a, b):
 def test_resume_is_bitwise_exact(tmp_path, method):
     # Dropout and subsampled pairs make every step random: resume must replay the same draws.
     model = {"n_layer": 1, "d_model": 16, "n_head": 2, "head_hidden": 16, "dropout": 0.1}
-    full = tiny(tmp_path / "full", method=method, ckpt_every=0, pairs=0.5, model=model)
+    pairs = {"pairs": 0.5} if method == "bst" else {}  # a forward-only model reads no pairs (and refuses the field)
+    full = tiny(tmp_path / "full", method=method, ckpt_every=0, **pairs, model=model)
     train(full)
-    cut = tiny(tmp_path / "cut", method=method, ckpt_every=0, pairs=0.5, model=model)
+    cut = tiny(tmp_path / "cut", method=method, ckpt_every=0, **pairs, model=model)
     train(cut, stop_at=4)
     train(cut, resume=True)
     params = same_params(tmp_path / "full", tmp_path / "cut")
@@ -488,17 +490,24 @@ def test_table_pins_the_bst_row_and_checks_every_row_first(tmp_path, monkeypatch
         assert main(["table", *base, *flags]) == 2 and says in capsys.readouterr().err
     assert main(["star", *base, "--set", "method=fim"]) == 2 and "choose them with --methods" in capsys.readouterr().err
     assert not seen
-    # an ablated base config: the row labelled BST still trains the full BST
-    ablated = tmp_path / "ablated.yaml"
-    ablated.write_text(TINY.read_text() + "\nnext_weight: 1.0\n")
+    # a base config file that sets what the rows set is refused, naming the field (every BST row was
+    # trained with 0.5 / true instead, silently, under "BST objective: the defaults")
+    for line, field in (("next_weight: 0.2", "next_weight"), ("method: forward", "method"),
+                        ("model.backward_encoder: false", "model.backward_encoder")):
+        ablated = tmp_path / "ablated.yaml"
+        ablated.write_text(TINY.read_text() + f"\n{line}\n")
+        assert main(["table", "--config", str(ablated), "--set", f"out_dir={tmp_path}"]) == 2
+        assert f"config field '{field}' is" in capsys.readouterr().err and not seen
+    # the BST objective of the base config reaches the BST rows and is named; the baselines, which do
+    # not read it (and refuse it), train without it
     out = tmp_path / "table.md"
-    assert main(["table", "--config", str(ablated), "--set", f"out_dir={tmp_path}", "--set",
-                 "model.n_layer=2", "--out", str(out)]) == 0
+    assert main(["table", *base, "--set", "model.n_layer=2", "--set", "pairs=0.5", "--out", str(out)]) == 0
     rows = dict(zip([label for label, _ in TABLE_ROWS], seen))
     assert len(seen) == len(TABLE_ROWS)
     assert rows["BST"].next_weight == 0.5 and rows["BST"].model.backward_encoder and rows["BST"].model.n_layer == 2
     assert rows["BST w/o Prev"].next_weight == 1.0 and not rows["BST w/o backward"].model.backward_encoder
-    assert out.read_text().count("| 1.000 |") == len(TABLE_ROWS)
+    assert all(cfg.pairs == (0.5 if cfg.method == "bst" else None) for cfg in seen)
+    assert out.read_text().count("| 1.000 |") == len(TABLE_ROWS) and "BST objective: pairs=0.5" in out.read_text()
     # a row that cannot run (augment needs an intermediate node) fails before any row trains
     seen.clear()
     assert main(["table", *base, "--set", "star_path_len=2"]) == 2

@@ -11,13 +11,14 @@ from bst_fast.checkpoint import latest_checkpoint
 from bst_fast.config import TrainConfig, resolve_config
 from bst_fast.tasks import Objective, build_task
 from bst_fast.trainer import build_run, train_step
+from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
 
 
 def tiny(out_dir, **changes):
-    return resolve_config(TINY, out_dir=str(out_dir), **changes)
+    return resolve_config(TINY, out_dir=str(out_dir), **{**star_fields_for(changes.get("data", "star")), **changes})
 
 
 def corpus(tmp_path):
@@ -59,7 +60,8 @@ def test_a_star_bst_keeps_the_pairs_its_evaluation_reads(tmp_path):
     with pytest.raises(ValueError, match=f"'max_gap' must be None or >= star_path_len \\+ 1 = {l + 1}"):
         tiny(tmp_path, max_gap=l).check()
     tiny(tmp_path, max_gap=l + 1).check()
-    tiny(tmp_path, max_gap=l, method="forward").check()  # no pairs: nothing to keep
+    with pytest.raises(ValueError, match="'max_gap' must be its default None for method 'forward'"):
+        tiny(tmp_path, max_gap=l, method="forward").check()  # no pairs: the field is not read
     with pytest.raises(ValueError, match="'min_gap' must be 1 or 2 for a star-graph BST"):  # the last node's pair
         tiny(tmp_path, min_gap=3).check()
 
