@@ -4,6 +4,13 @@ from __future__ import annotations
 import numbers
 import operator
 
+# The largest BPE vocabulary train_bpe (and a text run's text_vocab) takes. HF tokenizers' trainer
+# reserves about 70 bytes of hash table per vocabulary entry before it reads a document (measured: vocab 10**8 reserves 6.6 GB,
+# 10**9 asks for 70 GB and aborts the process; past 2**63 it panics), so the bound keeps that
+# reservation under about 100 MB. 2**20 is four times the largest vocabulary of production language
+# models (262144), and the model's embedding table at that size is already larger than its layers.
+MAX_VOCAB = 1 << 20
+
 
 def check_int(name: str, value, lowest: int) -> int:
     """`value` as an int >= lowest (numpy and 0-d torch integers too, never a bool or a float);

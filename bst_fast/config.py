@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from ._checks import plain_number, short
+from ._checks import MAX_VOCAB, plain_number, short
 from .model import ModelConfig
 
 METHODS = ("bst", "forward", "augment", "fim", "teacherless")
@@ -195,8 +195,8 @@ class TrainConfig:
             if getattr(self, name) != default:
                 kind = "star-graph data (it is a text field" if self.data == "star" else "text data (it is a star-graph field"
                 bad(name, f"its default {default} for {kind}, which this run does not read)")
-        if self.data != "star" and self.text_vocab < 259:
-            bad("text_vocab", ">= 259 for text data (256 byte tokens and PAD, BOS, EOS)")
+        if self.data != "star" and not 259 <= self.text_vocab <= MAX_VOCAB:
+            bad("text_vocab", f"from 259 (256 byte tokens and PAD, BOS, EOS) to {MAX_VOCAB} for text data")
         if self.star_path_len < 2:
             bad("star_path_len", ">= 2")
         need = 1 + self.star_degree * (self.star_path_len - 1)  # G(d, l) has 1 + d (l - 1) nodes

@@ -104,6 +104,15 @@ def test_size_fields_have_an_upper_bound_naming_the_field(changes, field, bound)
     resolve_config(TINY, **ok)  # the bound itself is a valid value (whether it fits in memory is another matter)
 
 
+def test_text_vocab_is_bounded_as_the_bpe_trainer_is():
+    """text_vocab=10**9 reached HF tokenizers' trainer, which asked for 70 GB and aborted the process."""
+    from bst_fast._checks import MAX_VOCAB
+    text = dict(TEXT, data="corpus")
+    with pytest.raises(ValueError, match=f"config field 'text_vocab' must be from 259 .* to {MAX_VOCAB} for text data"):
+        resolve_config(text, text_vocab=MAX_VOCAB + 1).check()
+    resolve_config(text, text_vocab=MAX_VOCAB).check()
+
+
 @pytest.mark.parametrize("key, hint", [("n_layer", "model.n_layer"), ("d_model", "model.d_model"),
                                        ("vocab_size", "model.vocab_size")])
 def test_a_model_field_at_the_top_level_suggests_the_model_field(key, hint):

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._checks import check_int, short
+from .._checks import MAX_VOCAB, check_int, short
 from .corpus_layout import is_prepared
 from .packing import PackedRows, SplitRows, check_pack, padding_saved
 from .star import _Batches, _epoch_indices
@@ -71,12 +71,6 @@ MAX_PRETOKEN = 256
 PROGRESS_BYTES = 8 << 20
 # Characters of a user's value quoted in an error message, at most.
 _SHOWN = 200
-# The largest BPE vocabulary train_bpe takes. HF tokenizers' trainer reserves about 70 bytes of
-# hash table per vocabulary entry before it reads a document (measured: vocab 10**8 reserves 6.6 GB,
-# 10**9 asks for 70 GB and aborts the process; past 2**63 it panics), so the bound keeps that
-# reservation under about 100 MB. 2**20 is four times the largest vocabulary of production language
-# models (262144), and the model's embedding table at that size is already larger than its layers.
-MAX_VOCAB = 1 << 20
 
 
 def _shown(value, text: bool = False) -> str:
