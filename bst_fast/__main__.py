@@ -427,11 +427,18 @@ def cli() -> int:
     command started is ended at the process's real exit (not in main(): a second main() in the same
     torchrun process would start a new group, whose rendezvous can hang)."""
     try:
-        return main()
+        rc = main()
     finally:
         trainer = sys.modules.get("bst_fast.trainer")
-        if trainer is not None:
-            trainer.end_process_group()
+        ended = trainer is not None and trainer.end_process_group()
+    if ended:
+        # A DDP rank's work is done and its group ended, but gloo's threads could still abort the
+        # interpreter's teardown (SIGABRT, 'terminate called without an active exception', about one
+        # loaded run in ten), failing a finished run under torchrun: the process leaves without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def _one_line(error: BaseException, limit: int = 2000) -> str:

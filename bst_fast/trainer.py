@@ -256,13 +256,17 @@ def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
 _GROUP = {"started": None}  # the process group train() started, if any
 
 
-def end_process_group():
-    """End the DDP process group train() started (and no other): the CLI calls it once the command is
-    done, before the interpreter's teardown, in which gloo still aborted a finished rank now and
-    then under load (`terminate called without an active exception`); at exit otherwise."""
+def end_process_group() -> bool:
+    """End the DDP process group train() started (and no other; True if it did): the CLI calls it
+    once the command is done, at exit otherwise. Left to the interpreter's teardown, gloo aborted a
+    finished rank now and then under load (`terminate called without an active exception`), and
+    even after this it still did, about one run in ten on a loaded machine: the CLI then leaves
+    without the teardown (cli)."""
     group, _GROUP["started"] = _GROUP["started"], None
     if group is not None and dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def _environment_int(name: str, default: int, lowest: int, highest: Optional[int] = None, why: str = "") -> int:

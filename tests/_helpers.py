@@ -252,3 +252,11 @@ def star_fields_for(data) -> dict:
     from bst_fast.config import STAR_FIELDS, TrainConfig
 
     return {} if data == "star" else {k: TrainConfig.__dataclass_fields__[k].default for k in STAR_FIELDS}
+
+
+# The end of a test's torchrun script: its group ended, then the process leaves without the
+# interpreter's teardown, where gloo's threads aborted a finished rank about one loaded run in ten
+# (SIGABRT, 'terminate called without an active exception'), as the CLI (bst_fast.__main__.cli) does.
+DDP_SCRIPT_END = ("import os, sys, torch.distributed as dist\n"
+                  "dist.destroy_process_group() if dist.is_initialized() else None\n"
+                  "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")

@@ -15,7 +15,7 @@ from bst_fast.data import TextData, load_tokenizer
 from bst_fast.data.packing import pack_greedily, padding_fraction
 from bst_fast.data.prepared import open_data, tokenize_corpus
 from bst_fast.trainer import build_run, train_step
-from _helpers import star_fields_for
+from _helpers import DDP_SCRIPT_END, star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -296,15 +296,13 @@ def test_ddp_two_ranks_on_split_rows_equal_one_process(tmp_path):
     corpus(tmp_path)
     sets = dict(data=str(tmp_path / "c.txt"), text_vocab=280, max_len=32, pack="split", batch_size=4, steps=4,
                 ckpt_every=0, eval_every=0, lr=1e-2, min_lr=1e-2, warmup=0, gamma=0.5, **{"model.dropout": 0.0,
-                "model.gpt_head": True})
+                "model.gpt_head": True}, **star_fields_for("text"))
     script = tmp_path / "run.py"
     script.write_text("import bst_fast, sys\n"
                       f"kw = {sets!r}\n"
                       "kw.update(steps=int(sys.argv[2])) if len(sys.argv) > 2 else None\n"
                       f"bst_fast.train({str(TINY)!r}, out_dir=sys.argv[1], **kw)\n"
-                      # the group ended here, not at exit (gloo aborted once in a loaded CI run's teardown)
-                      "import torch.distributed as dist\n"
-                      "dist.destroy_process_group() if dist.is_initialized() else None\n")
+                      + DDP_SCRIPT_END)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for out, steps in (("one", []), ("short", ["1"])):
         subprocess.run([sys.executable, str(script), str(tmp_path / out), *steps], check=True, env=env,
