@@ -110,6 +110,26 @@ def test_half_precision_cpp(case, dtype):
         assert err[name] <= 2 * mat_err[name] + 1e-3, (name, err[name], mat_err[name])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_reference_upcasts_the_heads_logits(dtype):
+    """The materialised run of 16-bit inputs (the yardstick of test_half_precision_cpp) is the head's
+    16-bit logits upcast to float32, then the cross-entropies in float32: written here from the pairs
+    of §2 by loops (cross-entropies in 16-bit were 1e-5 to 6e-5 off, 100x what this allows)."""
+    B, L, m, V = 4, 40, 16, 50
+    f, b, tokens, head = make_inputs(B=B, L=L, m=m, V=V, hidden=32, seed=1, dtype=dtype)
+    with torch.no_grad():
+        got = belief_state_loss(f, b, tokens, head, backend="reference")
+        r, i, j = (torch.tensor(x) for x in zip(*[(r, i, j) for r in range(B) for i in range(L) for j in range(i + 2, L)]))
+        logits = head(torch.cat([f[r, i], b[r, j]], -1))
+        assert logits.dtype == dtype
+        logits = logits.float()
+        ce = (torch.nn.functional.cross_entropy(logits[:, :V], tokens[r, i + 1], reduction="none")
+              + torch.nn.functional.cross_entropy(logits[:, V:], tokens[r, j - 1], reduction="none"))
+        want = 0.5 * ce.sum() / len(r)
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6, (float(got), float(want))
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_non_contiguous_inputs(backend):
     B, L, m, V = 3, 13, 7, 13

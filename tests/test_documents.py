@@ -1,7 +1,8 @@
-"""Packed rows in the loss (docs/contract.md §10): `documents` as one tensor of ids per row, or as
-the official layout's (prefix_ids, suffix_ids) of documents joined by a separator, on every
-backend, against a brute-force loop over pairs whose pair set is written from the definitions (a
-pair's ends in one document; no separator strictly between i and j), not from _pairs."""
+"""Packed rows in the loss (docs/contract.md §10): `documents` as one tensor of ids per row, as
+the official layout's (prefix_ids, suffix_ids) of documents joined by a separator, or as a general
+(prefix_ids, suffix_ids) pair, on every backend, against a brute-force loop over pairs whose pair
+set is written from the definitions (a pair's ends in one document; no separator strictly between
+i and j; prefix id of i equal to suffix id of j), not from _pairs."""
 import copy
 import functools
 from collections import Counter
@@ -24,6 +25,17 @@ IDS = [[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2],
        [0] * L]
 # separator positions of the official layout, per row (row 2: none, one document)
 SEPS = [[4, 9], [1, 2, 6, 8], [], []]
+# a general (prefix_ids, suffix_ids) pair, each non-decreasing: a document's suffix run may start
+# past i + min_gap (row 0's second document: i from 6, j from 9), end before its prefix run starts
+# (row 1's document 1: j = 5 only) or hold an id no prefix has (row 1's 2)
+PRE = [[0] * 6 + [1] * 8,
+       [0, 0, 1, 1, 1, 1, 3, 3, 3, 3, 3, 0, 0, 0],
+       [0, 0, 0, 1, 1, 1] + [1] * 8,
+       [0] * L]
+SUF = [[0] * 9 + [1] * 5,
+       [0, 0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 0, 0, 0],
+       [0, 0, 0, 0, 0, 1] + [1] * 8,
+       [0] * L]
 
 CASES = {
     "all": dict(),
@@ -35,7 +47,7 @@ CASES = {
     "fraction_row_mean": dict(min_gap=1, meet_token=MEET, pairs=0.4, reduction="row_mean", seed=3),
     "count": dict(pairs=3, seed=4),
 }
-LAYOUTS = ["ids", "separated"]
+LAYOUTS = ["ids", "separated", "general"]
 BACKENDS = [("reference", "reference", torch.float64, None), ("torch", "torch", torch.float64, None),
             ("torch_triton_ops", "torch", torch.float32, True), ("cpp", "cpp", torch.float32, None),
             ("triton", "triton", torch.float32, None)]
@@ -51,6 +63,8 @@ def inputs(layout, seed=0):
     if layout == "ids":
         tokens[0, 5] = SEP  # an ordinary token here: documents come from the ids alone
         documents = torch.tensor(IDS)
+    elif layout == "general":
+        documents = (torch.tensor(PRE), torch.tensor(SUF))
     else:
         for r, seps in enumerate(SEPS):
             tokens[r, seps] = SEP
@@ -60,9 +74,12 @@ def inputs(layout, seed=0):
 
 
 def together(layout, r, i, j):
-    """The definition of §10: ids - one id at both ends; separated - no separator strictly between."""
+    """The definition of §10: ids - one id at both ends; separated - no separator strictly between;
+    general - prefix id of i equal to suffix id of j."""
     if layout == "ids":
         return IDS[r][i] == IDS[r][j]
+    if layout == "general":
+        return PRE[r][i] == SUF[r][j]
     return not any(i < s < j for s in SEPS[r])
 
 
@@ -225,6 +242,28 @@ def test_model_packed_loss_is_its_documents_loss():
     for key in ("belief", "gpt"):
         assert out[key].dtype == torch.float64, key
         assert torch.allclose(out[key], sum(a[key] for a in alone), rtol=1e-10), key
+
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpt_head_targets_are_the_next_tokens_within_a_document(layout):
+    """gamma > 0: the GPT head's loss is the mean CE of gpt(f_i) against tokens[i + 1] over the
+    positions prefix_start <= i <= len - 2 whose (i, i + 1) is a pair of §10 (`together`, not
+    next_token_mask): in the official layout each one, a separator (the EOS) as target included."""
+    _, _, tokens, _, documents = inputs(layout)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, max_len=16, n_layer=1, d_model=8, n_head=2, head_hidden=8, gpt_head=True)
+    model = BeliefStateTransformer(cfg).double().eval()
+    start, lengths = [1, 0, 2, 0], torch.tensor(LENGTHS)
+    out = model(tokens, lengths, documents=documents, gamma=0.5, prefix_start=torch.tensor(start))
+    trained = [(r, i) for r in range(B) for i in range(start[r], LENGTHS[r] - 1) if together(layout, r, i, i + 1)]
+    rows, at = (torch.tensor(x) for x in zip(*trained))
+    f = model.prefix_states(tokens, documents, lengths=lengths)
+    want = torch.nn.functional.cross_entropy(model.gpt(f[rows, at]), tokens[rows, at + 1])
+    assert torch.allclose(out["gpt"], want, rtol=1e-12, atol=0), (out["gpt"], want)
+    if layout == "separated":
+        eos = [(r, s - 1) for r in range(B) for s in SEPS[r] if start[r] <= s - 1 and s <= LENGTHS[r] - 1]
+        assert eos and set(eos) <= set(trained)
 
 
 BAD = [

@@ -179,3 +179,25 @@ def test_an_mlp_width_rounding_to_zero_is_refused_not_clamped():
             _cfg(mlp_ratio=ratio).check()
     assert _model(mlp_ratio=0.07).forward_encoder.blocks[0].mlp[0].out_features == 1  # 0.56 units rounds to 1
     assert Block(8, 2, 1.3, 0.0).mlp[0].out_features == 10  # 10.4 units, rounded
+
+
+def test_teacherless_trains_on_the_input_its_generate_reads():
+    """Training feeds the row up to and including '=' at prefix_start, then a dummy at every answer
+    position: exactly the prompt and dummies generate (the path accuracy's decoder) reads, so the
+    trained predictions are the generated ones."""
+    from bst_fast.data import StarGraphData, StarGraphTokenizer
+
+    tok = StarGraphTokenizer(12)
+    data = StarGraphData(2, 3, 12, n_train=4, n_test=4, seed=0)
+    rows, ps, l = data.test_tokens, data.prefix_start, data.path_len
+    torch.manual_seed(0)
+    model = Teacherless(_cfg(vocab_size=tok.vocab_size + 1, max_len=rows.shape[1])).eval()
+    read = []
+    model.forward_encoder.register_forward_pre_hook(lambda module, args: read.append(args[0].clone()))
+    model(rows, prefix_start=ps)
+    new = model.generate(rows[:, :ps + 1], l)
+    trained, generated = read
+    assert (rows[:, ps] == tok.answer_id).all()
+    assert torch.equal(trained[:, :ps + 1], rows[:, :ps + 1]) and (trained[:, ps + 1:] == model.dummy_id).all()
+    assert torch.equal(generated, trained[:, :generated.shape[1]]) and generated.shape[1] == ps + l
+    assert torch.equal(new, model.lm_head(model.forward_encoder(trained))[:, ps:ps + l].argmax(-1))

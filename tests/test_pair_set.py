@@ -219,6 +219,55 @@ def test_sampler_inclusion_frequencies_are_k_over_P():
                 f"row kind {kinds[k]}: pair {pair} drawn in {freq:.4f} of the rows, expected {q:.4f} +- {se:.4f}"
 
 
+
+# Long rows, few pairs: k < |P_r| / 64 takes the C++ sampler's other branch (a hash set of Floyd's
+# draws, then sorted), which the small rows above never reach.
+LONG_L, LONG_K, LONG_N = 60, 2, 200_000
+# a chi-square over the 29 groups of 59 consecutive pairs (28 degrees of freedom: the counts sum
+# to N k) above this has a probability below 1e-6 (scipy.stats.chi2.isf(1e-6, 28))
+LONG_GROUP_LIMIT = 78.8
+
+
+def inclusion_failures(counts, rows, k):
+    """What is wrong with `counts` (each pair's inclusion count over `rows` draws of k pairs of one
+    P_r, in (i, j) order) for a uniform sampler: the first, a middle, the next to last and the last
+    pair more than 4.5 standard errors from rows k / |P_r| (a bias in one named place), any pair
+    more than 5.5 (1711 pairs: below 1e-4 for an exact sampler), or a chi-square over groups of 59
+    consecutive pairs above LONG_GROUP_LIMIT (a bias spread over a region)."""
+    n = len(counts)
+    q = k / n
+    mean, sd = rows * q, (rows * q * (1 - q)) ** 0.5
+    z = [(c - mean) / sd for c in counts]
+    bad = [f"pair {x}: {counts[x]} draws, expected {mean:.1f} +- {sd:.1f}"
+           for x in (0, n // 2, n - 2, n - 1) if abs(z[x]) > 4.5]
+    bad += [f"pair {x}: {counts[x]} draws, {z[x]:.1f} standard errors off" for x in range(n) if abs(z[x]) > 5.5]
+    g = 59
+    groups = [sum(counts[a:a + g]) for a in range(0, n, g)]
+    chi2 = sum((c - g * mean) ** 2 / (g * mean * (1 - q)) for c in groups)
+    if chi2 > LONG_GROUP_LIMIT:
+        bad.append(f"chi-square over groups of {g} pairs {chi2:.1f} > {LONG_GROUP_LIMIT}")
+    return bad
+
+
+def test_sampler_is_uniform_on_long_rows_with_few_pairs():
+    """Rows of 60 (|P_r| = 1711) drawing k = 2 pairs each: every pair, the last (i = L - 3, j = L - 1)
+    included, is drawn in a fraction k / |P_r| of the rows (inclusion_failures)."""
+    L, k, N = LONG_L, LONG_K, LONG_N
+    P = [(i, j) for _, i, j in enumerate_pairs([L], [0], 2, L, L)]
+    assert len(P) == 1711 and k < len(P) / 64 and P[-1] == (L - 3, L - 1)
+    row, i, j = _pairs.sample_pairs(torch.full((N,), L), torch.zeros(N, dtype=torch.long), 2, L,
+                                    torch.full((N,), k), torch.Generator().manual_seed(17))
+    assert torch.bincount(row, minlength=N).eq(k).all()
+    index = torch.full((L, L), -1)
+    index[tuple(torch.tensor(P).t())] = torch.arange(len(P))
+    flat = index[i, j]
+    assert (flat >= 0).all(), "a drawn pair is not in P_r"
+    counts = torch.bincount(flat, minlength=len(P)).tolist()
+    assert inclusion_failures(counts, N, k) == []
+    # the check has the power to see the last pair alone drawn at 0.58 of its rate (a broken sampler's)
+    assert inclusion_failures(counts[:-1] + [round(0.58 * N * k / len(P))], N, k)
+
+
 def test_fractional_subsample_sizes_from_brute_force():
     """pairs=rho keeps k_r = max(1, round(rho |P_r|)) pairs of each row, |P_r| by brute force."""
     lengths, prefix_start, min_gap, max_gap = random_spec(1, 6, 17)

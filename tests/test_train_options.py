@@ -350,3 +350,80 @@ def test_a_huge_max_gap_in_a_config_is_no_limit(tmp_path, gap):
     want = build_run(tiny(tmp_path / "none").check(), "cpu").batch(0)
     got = build_run(tiny(tmp_path / "huge", max_gap=gap).check(), "cpu").batch(0)
     assert got.pair_total == want.pair_total > 0 and got.pairs_drawn == want.pairs_drawn
+
+
+def test_each_step_and_micro_batch_draws_its_own_pair_subsample(tmp_path, monkeypatch):
+    """pairs < 1: the loss's generator is seeded from (seed, step, micro-batch, rank), so every step
+    and every micro-batch draws its own subsample (a seed without the step trained the same pairs of
+    each row shape at every step), and the same run draws the same ones again (resume stays exact)."""
+    from bst_fast import _pairs
+
+    drawn = []
+    real = _pairs.sample_pairs
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drawn.append(torch.stack(out, 1))  # (pairs, 3): row, i, j
+        return out
+
+    monkeypatch.setattr(_pairs, "sample_pairs", recorded)
+
+    def draws():
+        run = build_run(tiny(tmp_path, pairs=0.25, grad_accum=2).check(), "cpu")
+        drawn.clear()
+        for step in range(3):
+            assert train_step(run, step) is not None
+        return list(drawn)
+
+    first = draws()
+    assert len(first) == 6  # 3 steps of 2 micro-batches; the star rows share one length, so only the seed differs
+    for a in range(6):
+        for b in range(a):
+            assert not torch.equal(first[a], first[b]), f"draws {b} and {a} (step, micro-batch) drew the same pairs"
+    again = draws()
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def first_step_gradients(cfg):
+    """The gradients AdamW steps on at a run's first step (None for a parameter without one)."""
+    run = build_run(cfg.check(), "cpu")
+    seen = []
+    run.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(
+        [None if p.grad is None else p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+    assert train_step(run, 0) is not None and len(seen) == 1
+    return seen[0]
+
+
+def test_grad_clip_steps_on_the_gradient_clipped_to_its_norm(tmp_path):
+    """grad_clip > 0: AdamW steps on the whole gradient scaled to norm grad_clip when it is longer,
+    untouched when shorter; 0: untouched (the tiny run's norms lie below the default 1.0, so no other
+    test sees a clip act)."""
+    raw = first_step_gradients(tiny(tmp_path, grad_clip=0.0))
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw if g is not None])))
+    clip = 1e-3
+    assert norm > 10 * clip
+    clipped = first_step_gradients(tiny(tmp_path, grad_clip=clip))
+    for g, c in zip(raw, clipped):
+        assert (g is None) == (c is None)
+        if g is not None:
+            assert torch.allclose(c, g * (clip / norm), rtol=1e-4, atol=0)
+    loose = first_step_gradients(tiny(tmp_path, grad_clip=2 * norm))
+    assert all(g is None and c is None or torch.equal(g, c) for g, c in zip(raw, loose))
+
+
+def test_weight_decay_falls_on_matrices_only(tmp_path):
+    """Each parameter is in one optimizer group: the matrices (embeddings included) decay at
+    weight_decay, the biases and the norms' weights not at all."""
+    from collections import Counter
+
+    run = build_run(tiny(tmp_path, weight_decay=0.05).check(), "cpu")
+    held = Counter(id(p) for g in run.optimizer.param_groups for p in g["params"])
+    named = dict(run.model.named_parameters())
+    assert sorted(held) == sorted(id(p) for p in named.values()) and set(held.values()) == {1}
+    decay = {id(p): g["weight_decay"] for g in run.optimizer.param_groups for p in g["params"]}
+    norms = {id(m.weight) for m in run.model.modules() if isinstance(m, torch.nn.LayerNorm)}
+    for name, p in named.items():
+        want = 0.0 if name.endswith("bias") or id(p) in norms else 0.05
+        assert want == (0.05 if p.dim() >= 2 else 0.0), name  # the rule: matrices decay
+        assert decay[id(p)] == want, (name, decay[id(p)])
+    assert any(n.endswith("bias") for n in named) and norms
