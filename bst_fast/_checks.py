@@ -25,8 +25,11 @@ def check_int(name: str, value, lowest: int) -> int:
 
 
 def plain_number(value):
-    """A numpy scalar as the Python int or float it holds (a config read through numpy passes
-    np.int64 and np.float32); anything else as it is, for the caller's checks (a bool stays one)."""
+    """A numpy scalar as the Python bool, int or float it holds (a config read through numpy passes
+    np.bool_, np.int64 and np.float32); anything else as it is, for the caller's checks (a bool
+    stays one)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # numpy 2, 1
+        return bool(value)
     if isinstance(value, numbers.Integral) and not isinstance(value, int):
         return operator.index(value)
     if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):

@@ -119,7 +119,15 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
         """A config from a mapping of fields, the model's as a mapping or as dotted keys
-        (`model.n_layer`), as `apply_overrides` takes them: a file, a dict config and `--set` alike."""
+        (`model.n_layer`), as `apply_overrides` takes them: a file, a dict config and `--set` alike.
+        One field given both ways (`model: {n_layer: 4}` and `model.n_layer: 2`) is refused: which
+        one won depended on the keys' order."""
+        if isinstance(d, Mapping):
+            for key in d:
+                parent, _, leaf = key.partition(".") if isinstance(key, str) else ("", "", "")
+                if leaf and isinstance(d.get(parent), Mapping) and leaf.split(".")[0] in d[parent]:
+                    raise ValueError(f"config field {short(key)} is given twice: as {key!r} and in the mapping "
+                                     f"{parent!r}; give it once")
         return apply_overrides(TrainConfig(), d)
 
     @classmethod
@@ -152,7 +160,15 @@ class TrainConfig:
 
         if not isinstance(self.model, ModelConfig):
             bad("model", "a ModelConfig (a mapping of its fields goes through TrainConfig.from_dict)")
-        TrainConfig.from_dict(self.to_dict())  # every field's type, as a config file's are checked
+        # Every field's type, as a config file's are checked; the values as checked (a numpy scalar as
+        # the Python number, a Path as its str) are this config's from here on: the run saves them
+        # (json refused np.float32 at the first checkpoint, after the whole training).
+        checked = TrainConfig.from_dict(self.to_dict())
+        for obj, new in ((self, checked), (self.model, checked.model)):
+            for f in fields(obj):
+                if f.name != "model":
+                    setattr(obj, f.name, getattr(new, f.name))
+        _check_bounds(self)
         if self.method not in METHODS:
             bad("method", f"one of {METHODS}")
         if self.method in STAR_ONLY and self.data != "star":
@@ -303,14 +319,6 @@ INT_BOUNDS = {"model.d_model": (2**24, "2**24")}
 UNBOUNDED_INTS = ("seed", "max_gap", "meet_token")
 
 
-def _plain(value):
-    """A numpy scalar as the Python bool, int or float it holds (a config built with numpy passes
-    np.int64, np.float32, np.bool_); anything else as it is, for the field's checks."""
-    import numpy as np
-
-    return bool(value) if isinstance(value, np.bool_) else plain_number(value)
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -319,6 +327,18 @@ def _check_bound(name: str, value: int):
     bound, text = INT_BOUNDS.get(name, (MAX_INT, MAX_INT_TEXT))
     if value > bound:
         raise ValueError(f"config field {short(name)} must be at most {text} = {bound}, got {short(value)}")
+
+
+def _check_bounds(cfg: "TrainConfig"):
+    """Every int field at most its bound (INT_BOUNDS, else MAX_INT), checked where a run is about to
+    start (TrainConfig.check), not where a saved config.json is read: a run an older version saved
+    with a larger value (eval_every: 10**12 for 'never') still loads and resumes."""
+    for obj, prefix in ((cfg, ""), (cfg.model, "model.")):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            for v in value if isinstance(value, list) and f.name == "head_hidden" else [value]:
+                if _is_int(v) and prefix + f.name not in UNBOUNDED_INTS:
+                    _check_bound(prefix + f.name, v)
 
 
 def _data_list(value, name: str) -> list:
@@ -331,7 +351,7 @@ def _data_list(value, name: str) -> list:
             out.append([os.fspath(entry), 1.0])
             continue
         if isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)):
-            weight = _plain(entry[1])
+            weight = plain_number(entry[1])
             if isinstance(weight, (int, float)) and not isinstance(weight, bool):
                 out.append([os.fspath(entry[0]), float(weight)])
                 continue
@@ -351,7 +371,7 @@ def _from_dict(cls, d, prefix):
         if key not in known:
             raise _unknown_field(name, name, known)
         default = field_default(known[key])
-        value = _plain(value)
+        value = plain_number(value)
         if cls is TrainConfig and key in PATH_FIELDS and isinstance(value, os.PathLike):
             value = os.fspath(value)  # a bytes path stays bytes, refused below
         if key == "data" and isinstance(value, (list, tuple)) and cls is TrainConfig:
@@ -362,11 +382,9 @@ def _from_dict(cls, d, prefix):
         elif key == "head_hidden" and cls is ModelConfig:
             if isinstance(value, tuple):
                 value = list(value)
-            entries = [_plain(v) for v in value] if isinstance(value, list) else [value]
+            entries = [plain_number(v) for v in value] if isinstance(value, list) else [value]
             if not all(_is_int(v) for v in entries):
                 raise ValueError(f"config field {short(name)} must be an int or a list of ints, got {short(value)}")
-            for v in entries:
-                _check_bound(name, v)
             value = entries if isinstance(value, list) else value
         elif dataclasses.is_dataclass(default):
             if isinstance(value, type(default)):
@@ -386,7 +404,7 @@ def _from_dict(cls, d, prefix):
                                  f"in a YAML file to keep the name as written)")
             if not (isinstance(value, want) and not (want is not bool and isinstance(value, bool))):
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
-            if want is int and key not in UNBOUNDED_INTS:
+            if name in INT_BOUNDS:  # before ModelConfig's own checks, which blamed mlp_ratio for d_model
                 _check_bound(name, value)
         elif key == "max_gap" and value is not None:
             if not _is_int(value):
@@ -423,6 +441,10 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
             if not dataclasses.is_dataclass(sub):
                 raise ValueError(f"config field {short(key)} is unknown: {path + p!r} is a field of type "
                                  f"{type(sub).__name__}, not a config with fields")
+            if isinstance(node[p], type(sub)):  # a whole ModelConfig given before: its fields, to change one
+                node[p] = dataclasses.asdict(node[p])
+            if not isinstance(node[p], Mapping):  # `model: null` then `model.n_layer: 2`
+                raise ValueError(f"config field {short(path + p)} must be a mapping, got {short(node[p])}")
             node, cls, path = node[p], type(sub), path + p + "."
         known = {f.name: f for f in fields(cls)}
         if leaf not in known:

@@ -104,6 +104,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
         A 0-dim loss, float32 (float64 for float64 inputs); gradients reach f, b and the head's parameters.
     """
     runtime.check_environment()
+    deterministic = plain_number(deterministic)
     if not isinstance(deterministic, bool):  # it changes nothing, but a typo'd value must not pass for one
         raise ValueError(f"deterministic must be True or False, got {short(deterministic)}")
     _pairs.check_f(f)  # the head's checks read f's width and dtype

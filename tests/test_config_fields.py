@@ -222,3 +222,49 @@ def test_a_run_saved_with_unread_fields_loads_and_resumes_without_them(tmp_path,
         train(TINY, resume=True, **{**now, **unread})
     train(TINY, resume=True, **now)
     assert latest_checkpoint(tmp_path / "run").name == "step-00000004"
+
+
+def test_check_keeps_the_values_it_checked_so_the_run_can_save_them(tmp_path):
+    """check() took numpy scalars and Paths but left them in the config: the whole run trained, then
+    its first checkpoint failed ('Object of type float32 is not JSON serializable'; review helper-84)."""
+    cfg = TrainConfig.load(TINY)
+    cfg.lr, cfg.steps, cfg.progress, cfg.out_dir = np.float32(1e-3), np.int64(2), np.bool_(False), tmp_path / "run"
+    cfg.model.n_layer = np.int64(1)
+    cfg.check()
+    assert (type(cfg.lr), type(cfg.steps), type(cfg.progress), cfg.out_dir) == (float, int, bool, str(tmp_path / "run"))
+    assert type(cfg.model.n_layer) is int
+    json.dumps(cfg.to_dict())  # what a checkpoint writes
+
+
+def test_a_saved_config_past_todays_bounds_still_loads_but_a_new_run_is_bounded():
+    """eval_every: 10**12 ('never'), saved by an older version, made the run's checkpoints
+    'corrupt or unreadable' for load_model, generate and resume (review helper-84): the bound is a
+    new run's check, not a saved config's reading."""
+    saved = TrainConfig.from_dict({"eval_every": 10**12, "ckpt_every": 10**12})
+    assert saved.eval_every == 10**12
+    with pytest.raises(ValueError, match=r"config field 'eval_every' must be at most 2\*\*31 - 1"):
+        saved.check()
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"model": None, "model.n_layer": 2}, "config field 'model' must be a mapping, got None"),
+    ({"model": 5, "model.n_layer": 2}, "config field 'model' must be a mapping, got 5"),
+    ({"model": {"n_layer": 4}, "model.n_layer": 2}, "config field 'model.n_layer' is given twice"),
+    ({"model.n_layer": 2, "model": {"n_layer": 4}}, "config field 'model.n_layer' is given twice"),
+])
+def test_a_nested_field_given_twice_or_under_a_non_mapping_is_refused(tmp_path, d, match):
+    """model: null with model.n_layer was TypeError: 'NoneType' object does not support item
+    assignment (exit 1); a field given in the mapping and as a dotted key took the later one."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        TrainConfig.from_dict(d)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        TrainConfig.load(path)
+
+
+def test_a_whole_model_config_then_a_dotted_key_changes_that_field():
+    from bst_fast.model import ModelConfig
+
+    cfg = TrainConfig.from_dict({"model": ModelConfig(n_layer=2), "model.d_model": 32})
+    assert (cfg.model.n_layer, cfg.model.d_model) == (2, 32)

@@ -145,6 +145,7 @@ BAD = {
                          r"documents must be a \(B, L\) integer tensor .*got torch.uint32"),
     "prefix_start_int_beyond_int64": (lambda x: dict(prefix_start=2**64), ValueError, "prefix_start must fit in int64"),
     "deterministic_string": (lambda x: dict(deterministic="yes"), ValueError, "deterministic must be True or False, got 'yes'"),
+    "deterministic_int": (lambda x: dict(deterministic=1), ValueError, "deterministic must be True or False, got 1"),
 }
 
 
@@ -511,14 +512,17 @@ def test_a_fused_backend_refusing_a_head_advises_torch_on_any_device(monkeypatch
         belief_state_loss(f, f, tokens, make_head(4, 5, hidden=4), backend="triton")
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "torch", "cpp"])
-def test_the_meta_device_is_refused_where_the_loss_reads_values(backend):
+@pytest.mark.parametrize("backend", ["auto", "reference", "torch", "cpp", "triton"])
+def test_the_meta_device_is_refused_where_the_loss_reads_values(backend, monkeypatch):
     """All pairs on meta tensors: the ids and lengths must be read (a GPU stand-in takes only host
     pair sets, tests/test_host_pairs.py). It was torch's 'Cannot copy out of meta tensor', and cpp
     advised backend='triton', which fails the same way."""
     f, tokens = torch.empty(2, 6, 3, device="meta"), torch.zeros(2, 6, dtype=torch.long, device="meta")
     head = make_head(3, 7, hidden=4).to("meta")
-    want = "backend='cpp' runs on the CPU, got meta tensors$" if backend == "cpp" else "inputs are on the meta device"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # triton's advice: none that fails alike ('cpp' did)
+    want = {"cpp": "backend='cpp' runs on the CPU, got meta tensors$",
+            "triton": r"backend='triton' runs on a CUDA device \(or on the CPU under TRITON_INTERPRET=1\), got meta tensors$"
+            }.get(backend, "inputs are on the meta device")
     with pytest.raises(ValueError, match=want):
         belief_state_loss(f, f, tokens, head, backend=backend)
 
@@ -695,3 +699,10 @@ def test_models_take_every_id_dtype_the_loss_takes():
             bst.prefix_states(tokens.to(dt))
         with pytest.raises(RuntimeError, match="indices"):
             bst.forward_encoder(tokens.to(dt))
+
+
+def test_numpy_bools_are_taken_as_the_bools_they_hold():
+    """deterministic=np.bool_(True) was refused ('got np.True_') while the numeric options take numpy scalars."""
+    f, b, tokens, head = make_inputs(B=2, L=7, m=4, V=5, seed=1)
+    assert torch.equal(belief_state_loss(f, b, tokens, head, deterministic=np.bool_(True)),
+                       belief_state_loss(f, b, tokens, head, deterministic=True))

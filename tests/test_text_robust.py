@@ -354,3 +354,15 @@ def test_from_ids_copies_the_ids_once(monkeypatch):
     whole = TextData.from_ids([ids[:1000].astype(np.int64), ids[1000:]], vocab_size=1000, max_len=256)
     parts = TextData.from_ids([ids[:1000].astype(np.int64), ids[1000:].astype(np.int64)], vocab_size=1000, max_len=256)
     assert all(torch.equal(a, b) for a, b in zip(whole.batch(3, 4, 0), parts.batch(3, 4, 0)))
+
+
+def test_any_iterable_of_paths_is_read_as_a_list_is(tmp_path):
+    """Path.glob (a generator) and dict keys were refused after a check meant for None (review helper-84)."""
+    for name, seed in (("a.txt", 1), ("b.txt", 2)):
+        (tmp_path / name).write_text(_prose(40, seed=seed))
+    want = train_bpe(sorted(tmp_path.glob("*.txt")), 300).get_vocab()
+    assert train_bpe(iter(sorted(tmp_path.glob("*.txt"))), 300).get_vocab() == want
+    assert train_bpe(dict.fromkeys(sorted(tmp_path.glob("*.txt"))).keys(), 300).get_vocab() == want
+    for bad in (None, b"a.txt", {"a.txt": 1}):
+        with pytest.raises(ValueError, match="the data paths must be a .txt file or a folder of them"):
+            train_bpe(bad, 300)

@@ -381,8 +381,8 @@ def supports(head, device: torch.device, dtype: torch.dtype):
     problem = fused_problem(NAME, head, dtype)
     # The Triton kernels run on a CUDA GPU, or on the CPU under TRITON_INTERPRET=1 (tests).
     if problem is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"backend={NAME!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1); "
-                "use backend='cpp' on the CPU")
+        return (f"backend={NAME!r} runs on a CUDA device (or on the CPU under TRITON_INTERPRET=1)"
+                + ("; use backend='cpp' on the CPU" if device.type == "cpu" else f", got {device.type} tensors"))
     return problem
 
 

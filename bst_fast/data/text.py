@@ -43,6 +43,7 @@ import os
 import random
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +91,9 @@ def _text_files(paths) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     expected = "a .txt file or a folder of them, or a list of those"
-    if not isinstance(paths, (list, tuple)):  # None was "'NoneType' object is not iterable"
+    if isinstance(paths, (bytes, Mapping)) or not isinstance(paths, Iterable):  # None was "'NoneType' object is not iterable"
         raise ValueError(f"the data paths must be {expected}, got {type(paths).__name__} {_shown(paths)}")
+    paths = list(paths)  # a generator (Path.glob) or any other iterable of paths
     if not paths:
         raise ValueError(f"no data paths given: expected {expected}")
     for p in paths:
