@@ -166,6 +166,15 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
     return final
 
 
+def resume_changes(then: dict, now: dict, allowed) -> dict:
+    """config_changes(then, now, allowed) for a resume (the trainer's check of the checkpoint it
+    continues from, best_so_far's of the best checkpoint): one rule for both. A text run's `data`
+    may name its corpus by another path (a link, a moved folder): not compared here, the task
+    compares the corpus itself with the checkpoint's fingerprint (its data.json)."""
+    text = then.get("data") != "star" and now["data"] != "star"
+    return config_changes(then, now, tuple(allowed) + (("data",) if text else ()))
+
+
 def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 1) -> Optional[float]:
     """The figure of out_dir's best checkpoint for `metric`, for a run (config `cfg`, `world` ranks)
     resumed from `step`, or None. A best saved after `step` counts when its config is cfg but for
@@ -188,7 +197,7 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
         if saved_step > step:
             verify(best, only=CONFIG)
             then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
-            if config_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
+            if resume_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
                 return None
             made_by = saved.get("world", world)  # a best.json from before stop 42 holds none
             if isinstance(made_by, bool) or not isinstance(made_by, int) or made_by < 1:

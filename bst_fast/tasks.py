@@ -198,7 +198,7 @@ class TextTask:
     def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
         from .data import TextData, load_tokenizer, train_bpe
         from .data.text import vocabulary_size
-        from .data.prepared import is_prepared, open_data
+        from .data.prepared import data_identity, is_prepared, open_data
 
         # A prepared corpus (a folder `bst-fast tokenize` wrote), or a list of them with weights,
         # brings its tokenizer and its memory-mapped ids: nothing is trained or tokenised. Raw text
@@ -264,7 +264,7 @@ class TextTask:
                 raise ValueError(f"--resume: checkpoint {resume_from} has no readable {CORPUS} (the corpus's "
                                  f"fingerprint): {e}") from None
             now = self.data.fingerprint()
-            if then != now:
+            if data_identity(then) != data_identity(now):  # a mixture's corpora by their content, not their paths
                 raise ValueError(f"--resume: the corpus at {cfg.data} is not the one this run was trained on "
                                  f"(then {then}, now {now})")
 

@@ -32,12 +32,12 @@ from torch.profiler import record_function
 from ._checks import short
 from ._pairs import to_device
 from .backends import runtime
-from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config, save_checkpoint,
-                         verify)
-from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, config_changes, resolve_config
+from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config,
+                         resume_changes, save_checkpoint)
+from .config import RESUMABLE_CHANGES, ConfigLike, TrainConfig, resolve_config
 from .model import FLEX_ON_CPU
 from .run_folder import MetricsLog, RunFolder, logged_at
-from .tasks import (CORPUS, DATA_SET_FIELDS, RANK_ERRORS, TOKENIZER, Objective, build_model, build_task, failure_summary, model_config,
+from .tasks import (DATA_SET_FIELDS, RANK_ERRORS, Objective, build_model, build_task, failure_summary, model_config,
                     rank_failure, sum_over_ranks)
 
 
@@ -104,16 +104,13 @@ def autocast_for(device: str):
     return torch.autocast("cpu", enabled=False)
 
 
-def _check_resumable(ckpt: Path, cfg: TrainConfig, before_task: bool = False):
-    """The checkpoint's config must equal cfg (with the model's data fields set) in every field a
-    resumed run may not change. A text run's `data` may name its corpus by another path (a link, a
-    moved folder): the task compares the corpus itself with the checkpoint's fingerprint (data.json).
-    before_task: checked before the task reads the data, so that a changed field is named, not what
-    the task finds wrong with the data it names (a star run's checkpoint holds no tokenizer.json);
-    the model fields the data sets (model_config) are checked after."""
-    then = read_config(ckpt).to_dict()
-    text = then.get("data") != "star" and cfg.data != "star"
-    diff = config_changes(then, cfg.to_dict(), RESUMABLE_CHANGES + (("data",) if text else ()))
+def _check_resumable(ckpt: Path, then: TrainConfig, cfg: TrainConfig, before_task: bool = False):
+    """The checkpoint's config (`then`, read_config's) must equal cfg (with the model's data fields
+    set) in every field a resumed run may not change (resume_changes: a text run's `data` may name
+    its corpus by another path). before_task: checked before the task reads the data, so that a
+    changed field is named, not what the task finds wrong with the data it names (a star run's
+    checkpoint holds no tokenizer.json); the model fields the data sets (model_config) are checked after."""
+    diff = resume_changes(then.to_dict(), cfg.to_dict(), RESUMABLE_CHANGES)
     if before_task:
         diff = {k: v for k, v in diff.items() if k not in {f"model.{f}" for f in (*DATA_SET_FIELDS, "gpt_head")}}
     if diff:
@@ -323,15 +320,16 @@ def build_run(cfg: TrainConfig, device: str, resume_from: Optional[Path] = None,
     `train` steps through (and bench/paper_speed.py times with `train_step`). `resume_from`: the
     checkpoint a resumed run continues from, checked against `cfg` (its weights are not loaded)."""
     torch.manual_seed(cfg.seed)
-    for name in (TOKENIZER, CORPUS) if resume_from is not None else ():
-        if (Path(resume_from) / name).is_file():  # before the task reads it: damage is named as such, not as
-            verify(resume_from, only=name)        # a bad tokenizer or another corpus
-    if resume_from is not None:
-        _check_resumable(resume_from, cfg, before_task=True)
+    # Read once (every file of the checkpoint hashed: read_config verifies it whole) for both checks,
+    # before the task reads the checkpoint's tokenizer.json and data.json: damage is named as such,
+    # not as a bad tokenizer or another corpus. load_checkpoint verifies it again as it loads it.
+    then = None if resume_from is None else read_config(resume_from)
+    if then is not None:
+        _check_resumable(resume_from, then, cfg, before_task=True)
     task = build_task(cfg, resume_from, rank)
     cfg = model_config(cfg, task)
-    if resume_from is not None:
-        _check_resumable(resume_from, cfg)
+    if then is not None:
+        _check_resumable(resume_from, then, cfg)
     model = build_model(cfg).to(device)
     optimizer, scheduler = build_optimizer(model, cfg)
     objective = Objective.from_config(cfg, task.eos_id)

@@ -16,6 +16,7 @@ import torch
 
 import bst_fast.data as data_pkg
 from bst_fast import TrainConfig, load_model, train
+from bst_fast import checkpoint as checkpoint_mod
 from bst_fast.__main__ import main as cli
 from bst_fast.data import TextData, load_tokenizer, save_tokenizer, train_bpe
 from bst_fast.data import prepared as prep
@@ -826,3 +827,67 @@ def test_text_data_refuses_paths_that_are_not_paths(corpus):
         with pytest.raises(ValueError, match=says):
             TextData(paths, tokenizer, 32)
     assert TextData((str(text),), tokenizer, 32).n_documents == TextData(text, tokenizer, 32).n_documents
+
+
+def test_a_mixture_resumes_with_its_corpora_by_another_path(two, corpus, tmp_path):
+    """A mixture's data.json holds each corpus's path as written: a resume naming one by a link, or
+    with a trailing '/', was refused as another corpus though the corpora were the same. The corpora's
+    fingerprints and weights, in order, decide now; another corpus, weight or order is still refused."""
+    link = tmp_path / "link"
+    link.symlink_to(two[0])
+    run = dict(max_len=16, steps=4, eval_every=0, ckpt_every=0)
+    d = tmp_path / "run"
+    train(tiny(d, data=[[str(two[0]), 1], [str(two[1]), 2]], **run), stop_at=2)
+    for other in ([[str(two[0]), 2], [str(two[1]), 2]], [[str(two[1]), 2], [str(two[0]), 1]],
+                  [[str(two[0]), 1], [str(corpus[2]), 2]], [[str(two[0]), 1]]):
+        with pytest.raises(ValueError, match="the corpus at .* is not the one this run was trained on"):
+            train(tiny(d, data=other, **run), resume=True)
+    train(tiny(d, data=[[str(link), 1], [str(two[1]), 2]], **run), resume=True, stop_at=3)
+    train(tiny(d, data=[[str(two[0]) + "/", 2], [str(two[1]), 4]], **run), resume=True)  # the same ratio
+    assert (d / "checkpoints" / "latest").read_text() == "step-00000004"
+    # data.json still names the corpora (as the run's config gives them)
+    saved = json.loads((d / "checkpoints" / "step-00000004" / "data.json").read_text())
+    assert [e["corpus"] for e in saved["mixture"]] == [str(two[0]) + "/", str(two[1])]
+
+
+def test_a_best_is_kept_when_the_corpus_is_named_by_another_path(corpus, tmp_path):
+    """best_so_far compared `data` as a string while a resume lets a text run name its corpus by
+    another path: resumed through a link, the run forgot its best and a worse figure replaced it."""
+    out = corpus[2]
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    d = tmp_path / "run"
+    train(tiny(d, data=str(out), max_len=16, steps=6, eval_every=1, ckpt_every=3, keep_best="held_out_loss"),
+          stop_at=5)
+    best = json.loads((d / "checkpoints" / "best" / "best.json").read_text())
+    assert best["step"] > 3  # after the resumed step: its config is compared
+    then = json.loads((d / "checkpoints" / "step-00000003" / "config.json").read_text())
+    for data in (str(out), str(link), str(out) + "/"):
+        resumed = TrainConfig.from_dict({**then, "data": data})  # as the trainer has it
+        assert checkpoint_mod.best_so_far(d, "held_out_loss", 3, resumed) == best["value"], data
+    # a change that leaves another trajectory still drops it
+    assert checkpoint_mod.best_so_far(d, "held_out_loss", 3, TrainConfig.from_dict({**then, "seed": 9})) is None
+
+
+def test_a_resume_hashes_each_checkpoint_file_at_most_as_often_as_before(corpus, tmp_path, monkeypatch):
+    """The config was compared twice on a resume, each time through read_config's full verify: one
+    more sha256 of the whole checkpoint (weights and optimizer state) per resume, on every rank. Each
+    file is hashed at most as often as before the comparison was split (d9791d8): weights, state and
+    config twice (the config's read and the load), the tokenizer and data.json three times."""
+    d = tmp_path / "run"
+    run = dict(data=str(corpus[2]), max_len=16, steps=3, eval_every=0, ckpt_every=0)
+    train(tiny(d, **run), stop_at=2)
+    ckpt = d / "checkpoints" / "step-00000002"
+    counts = {}
+    hash_file = checkpoint_mod.sha256
+
+    def counting(path, *a, **k):
+        if Path(path).parent == ckpt:
+            counts[Path(path).name] = counts.get(Path(path).name, 0) + 1
+        return hash_file(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint_mod, "sha256", counting)
+    train(tiny(d, **run), resume=True)
+    before = {"model.safetensors": 2, "state.pt": 2, "config.json": 2, "tokenizer.json": 3, "data.json": 3}
+    assert set(counts) == set(before)  # every file is verified
+    assert all(counts[name] <= n for name, n in before.items()), counts

@@ -679,7 +679,8 @@ class MixtureData(_Batches):
         return padding_saved([p._train for p in self.parts], batch_size, self.seed)
 
     def fingerprint(self) -> dict:
-        """Each corpus's fingerprint with its normalised weight."""
+        """Each corpus's fingerprint with its normalised weight, and its name (the path as the config
+        gives it: for the reader of data.json; a resume compares data_identity, without it)."""
         return {"mixture": [{"corpus": name, "weight": float(w), **p.fingerprint()}
                             for name, w, p in zip(self.names, self.weights, self.parts)]}
 
@@ -734,6 +735,18 @@ class MixtureData(_Batches):
         """Every corpus's held-out rows once, corpus by corpus, in batches (each corpus's last may be short)."""
         for p in self.parts:
             yield from p.held_out_batches(batch_size)
+
+
+def data_identity(fingerprint):
+    """What a resume compares of a run's data fingerprint (its data.json, or fingerprint() now): all
+    of it but a mixture's corpus names. A name is the path as the config wrote it, and a link, a moved
+    folder or a trailing '/' names the same corpus; the corpora's content fingerprints and weights, in
+    order, set every batch and stay. data.json keeps the names, so older run folders compare alike."""
+    mixture = fingerprint.get("mixture") if isinstance(fingerprint, dict) else None
+    if not isinstance(mixture, list):
+        return fingerprint
+    return {**fingerprint, "mixture": [{k: v for k, v in e.items() if k != "corpus"} if isinstance(e, dict) else e
+                                       for e in mixture]}
 
 
 def open_data(data, max_len: int, held_out: float = 0.05, seed: int = 0, pack: bool = False,
