@@ -29,6 +29,7 @@ from .files import atomic_write, disk_full, fsync, sha256, sha256_written, start
 CHECKSUMS = "checksums.json"
 BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
 WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
+TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
 STEP_NAME = re.compile(r"step-(\d{8,})")  # what `latest` may name: a checkpoint in checkpoints/
 # save_checkpoint's temporary names (files.temporary_name: `.<name>.<pid>.tmp`), the only names a
 # start may delete from checkpoints/: a user's own `.x.tmp` there is not ours
@@ -333,6 +334,10 @@ def verify(path: Path, only: Optional[str] = None) -> Dict[str, str]:
     for name in (WEIGHTS, STATE, CONFIG) if only is None else (only,):
         if name not in sums:
             raise ValueError(f"checkpoint {path}: {CHECKSUMS} does not list {name}")
+    for name in (TOKENIZER, CORPUS) if only is None else ():  # read by a resume when present: never unchecked
+        if name not in sums and (path / name).exists():
+            raise ValueError(f"checkpoint {path} holds {name}, which its {CHECKSUMS} does not list: it was added "
+                             "or replaced after the checkpoint was saved")
     for name, want in sums.items() if only is None else [(only, sums[only])]:
         file = path / name
         if Path(name).name != name or not file.is_file():

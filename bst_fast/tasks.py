@@ -16,12 +16,11 @@ from typing import Any, List, NamedTuple, Optional, Union
 import torch
 
 from ._pairs import pair_counts, sample_counts
+from .checkpoint import CORPUS, TOKENIZER
 from .config import TrainConfig
 from .decode import sample, searcher
 from .files import atomic_write
 from .model import BeliefStateTransformer, ForwardOnly, Teacherless, next_token_mask
-
-TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
 
 
 class Rows(NamedTuple):

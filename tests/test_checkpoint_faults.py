@@ -311,3 +311,22 @@ def test_a_first_checkpoint_whose_latest_cannot_be_written_is_named_as_in_place(
     monkeypatch.setattr(checkpoint, "atomic_write", real)
     train(tiny(d), resume=True, stop_at=3)
     assert latest_checkpoint(d).name == "step-00000003"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "data.json"])
+def test_a_text_file_the_checksums_do_not_list_is_refused(tmp_path, name):
+    """A resume reads a checkpoint's tokenizer.json and data.json when present; one that
+    checksums.json does not list was added or replaced by hand and must not be read unchecked
+    (the whole-checkpoint verify a resume now runs once missed it: review of fixer-D's change)."""
+    from bst_fast.files import sha256
+
+    for f in ("model.safetensors", "state.pt", "config.json"):
+        (tmp_path / f).write_text(f)
+    sums = {f: sha256(tmp_path / f) for f in ("model.safetensors", "state.pt", "config.json")}
+    (tmp_path / CHECKSUMS).write_text(json.dumps(sums))
+    checkpoint.verify(tmp_path)  # the three listed files alone: a star run's checkpoint
+    (tmp_path / name).write_text("{}")
+    with pytest.raises(ValueError, match=f"holds {re.escape(name)}, which its checksums.json does not list"):
+        checkpoint.verify(tmp_path)
+    (tmp_path / CHECKSUMS).write_text(json.dumps({**sums, name: sha256(tmp_path / name)}))
+    checkpoint.verify(tmp_path)
