@@ -125,8 +125,10 @@ class TrainConfig:
         if isinstance(d, Mapping):
             for key in d:
                 parent, _, leaf = key.partition(".") if isinstance(key, str) else ("", "", "")
-                if leaf and isinstance(d.get(parent), Mapping) and leaf.split(".")[0] in d[parent]:
-                    raise ValueError(f"config field {short(key)} is given twice: as {key!r} and in the mapping "
+                whole = d.get(parent)  # a mapping names some fields, a whole ModelConfig every one
+                if leaf and "." not in leaf and (isinstance(whole, Mapping) and leaf in whole
+                                                 or dataclasses.is_dataclass(whole) and not isinstance(whole, type)):
+                    raise ValueError(f"config field {short(key)} is given twice: as {key!r} and in "
                                      f"{parent!r}; give it once")
         return apply_overrides(TrainConfig(), d)
 
@@ -332,7 +334,8 @@ def _check_bound(name: str, value: int):
 def _check_bounds(cfg: "TrainConfig"):
     """Every int field at most its bound (INT_BOUNDS, else MAX_INT), checked where a run is about to
     start (TrainConfig.check), not where a saved config.json is read: a run an older version saved
-    with a larger value (eval_every: 10**12 for 'never') still loads and resumes."""
+    with a larger value (eval_every: 10**12 for 'never') still loads, and resumes with a resumable
+    field lowered (another field past its bound cannot be resumed: its value may not change)."""
     for obj, prefix in ((cfg, ""), (cfg.model, "model.")):
         for f in fields(obj):
             value = getattr(obj, f.name)

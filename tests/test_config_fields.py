@@ -264,7 +264,18 @@ def test_a_nested_field_given_twice_or_under_a_non_mapping_is_refused(tmp_path, 
 
 
 def test_a_whole_model_config_then_a_dotted_key_changes_that_field():
+    """apply_overrides (a --set on a loaded config): the dotted key changes the field it names."""
+    from bst_fast.config import apply_overrides
     from bst_fast.model import ModelConfig
 
-    cfg = TrainConfig.from_dict({"model": ModelConfig(n_layer=2), "model.d_model": 32})
+    cfg = apply_overrides(TrainConfig(), {"model": ModelConfig(n_layer=2), "model.d_model": 32})
     assert (cfg.model.n_layer, cfg.model.d_model) == (2, 32)
+
+
+def test_a_whole_model_config_and_a_dotted_key_are_refused_in_either_order():
+    """A dotted key given before a whole ModelConfig was silently dropped (review helper-87)."""
+    from bst_fast.model import ModelConfig
+
+    for d in ({"model.n_layer": 2, "model": ModelConfig(n_layer=3)}, {"model": ModelConfig(n_layer=3), "model.n_layer": 2}):
+        with pytest.raises(ValueError, match="config field 'model.n_layer' is given twice"):
+            TrainConfig.from_dict(d)

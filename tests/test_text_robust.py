@@ -357,12 +357,28 @@ def test_from_ids_copies_the_ids_once(monkeypatch):
 
 
 def test_any_iterable_of_paths_is_read_as_a_list_is(tmp_path):
-    """Path.glob (a generator) and dict keys were refused after a check meant for None (review helper-84)."""
+    """Path.glob (a generator) and map objects were refused after a check meant for None (review helper-84)."""
     for name, seed in (("a.txt", 1), ("b.txt", 2)):
         (tmp_path / name).write_text(_prose(40, seed=seed))
     want = train_bpe(sorted(tmp_path.glob("*.txt")), 300).get_vocab()
     assert train_bpe(iter(sorted(tmp_path.glob("*.txt"))), 300).get_vocab() == want
-    assert train_bpe(dict.fromkeys(sorted(tmp_path.glob("*.txt"))).keys(), 300).get_vocab() == want
+    assert train_bpe(map(str, sorted(tmp_path.glob("*.txt"))), 300).get_vocab() == want
     for bad in (None, b"a.txt", {"a.txt": 1}):
         with pytest.raises(ValueError, match="the data paths must be a .txt file or a folder of them"):
             train_bpe(bad, 300)
+
+
+def test_a_set_of_paths_is_refused_and_a_generator_is_recorded_whole(tmp_path):
+    """A set's order (so the corpus, its split and batches) changed with the hash seed; a generator
+    given to tokenize_corpus was spent on the files, leaving the manifest's source paths empty
+    (review helper-87)."""
+    from bst_fast.data.prepared import tokenize_corpus
+
+    for name, seed in (("a.txt", 1), ("b.txt", 2)):
+        (tmp_path / name).write_text(_prose(40, seed=seed))
+    with pytest.raises(ValueError, match="the data paths must be .* got set"):
+        train_bpe(set(tmp_path.glob("*.txt")), 300)
+    tok = train_bpe(tmp_path, 300)
+    save_tokenizer(tok, tmp_path / "tok.json")
+    manifest = tokenize_corpus(iter(sorted(tmp_path.glob("*.txt"))), tmp_path / "out", tokenizer=tmp_path / "tok.json")
+    assert manifest["source"]["paths"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]

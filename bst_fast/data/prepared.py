@@ -44,6 +44,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,8 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
     workers: encoding processes (None: one per CPU for a corpus over 4 MiB (4 * _ENCODE_CHARS
         bytes), else this process alone; 0: this process alone); the ids do not depend
     on it."""
+    if not isinstance(data, (str, os.PathLike)) and isinstance(data, Iterable) and not isinstance(data, (list, tuple)):
+        data = list(data)  # a generator (Path.glob) is read twice: for the files and for the manifest's paths
     files = _text_files(data)  # a missing input is reported before anything else is done
     out = Path(os.path.abspath(out))  # "." has no name: the temporary folder would land inside it
     here = os.path.realpath(os.getcwd())

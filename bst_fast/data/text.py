@@ -43,7 +43,7 @@ import os
 import random
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +91,8 @@ def _text_files(paths) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     expected = "a .txt file or a folder of them, or a list of those"
-    if isinstance(paths, (bytes, Mapping)) or not isinstance(paths, Iterable):  # None was "'NoneType' object is not iterable"
+    # None was "'NoneType' object is not iterable"; a set's order (so the corpus's) changes with the hash seed
+    if isinstance(paths, (bytes, Mapping, AbstractSet)) or not isinstance(paths, Iterable):
         raise ValueError(f"the data paths must be {expected}, got {type(paths).__name__} {_shown(paths)}")
     paths = list(paths)  # a generator (Path.glob) or any other iterable of paths
     if not paths:
