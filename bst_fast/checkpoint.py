@@ -24,12 +24,11 @@ import torch
 
 from ._checks import short
 from .config import SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
-from .files import atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
+from .files import CORPUS, TOKENIZER, atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
 BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
 WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
-TOKENIZER, CORPUS = "tokenizer.json", "data.json"  # a text run's files (its folder and each checkpoint)
 STEP_NAME = re.compile(r"step-(\d{8,})")  # what `latest` may name: a checkpoint in checkpoints/
 # save_checkpoint's temporary names (files.temporary_name: `.<name>.<pid>.tmp`), the only names a
 # start may delete from checkpoints/: a user's own `.x.tmp` there is not ours

@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 
+# A text run's files, in its folder and in each checkpoint (named here, below both users: tasks
+# writes them, checkpoint verifies them, and checkpoint.load_model imports tasks).
+TOKENIZER, CORPUS = "tokenizer.json", "data.json"
+
+
 def fsync(path: Path):
     """Flush a file (or a folder's entries) to the disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -16,10 +16,9 @@ from typing import Any, List, NamedTuple, Optional, Union
 import torch
 
 from ._pairs import pair_counts, sample_counts
-from .checkpoint import CORPUS, TOKENIZER
 from .config import TrainConfig
 from .decode import sample, searcher
-from .files import atomic_write
+from .files import CORPUS, TOKENIZER, atomic_write
 from .model import BeliefStateTransformer, ForwardOnly, Teacherless, next_token_mask
 
 
