@@ -196,7 +196,7 @@ class TextTask:
     def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
         from .data import TextData, load_tokenizer, train_bpe
         from .data.text import vocabulary_size
-        from .data.prepared import data_identity, is_prepared, open_data
+        from .data.prepared import data_identity, is_prepared, open_data, weights_alone_differ
 
         # A prepared corpus (a folder `bst-fast tokenize` wrote), or a list of them with weights,
         # brings its tokenizer and its memory-mapped ids: nothing is trained or tokenised. Raw text
@@ -263,6 +263,10 @@ class TextTask:
                                  f"fingerprint): {e}") from None
             now = self.data.fingerprint()
             if data_identity(then) != data_identity(now):  # a mixture's corpora by their content, not their paths
+                weights = weights_alone_differ(then, now)
+                if weights is not None:
+                    raise ValueError(f"--resume: the mixture's corpora are this run's, but not its weights, normalised: "
+                                     f"then {weights[0]}, now {weights[1]}; give the run's weights to resume it exactly")
                 raise ValueError(f"--resume: the corpus at {cfg.data} is not the one this run was trained on "
                                  f"(then {then}, now {now})")
 

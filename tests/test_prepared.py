@@ -838,8 +838,11 @@ def test_a_mixture_resumes_with_its_corpora_by_another_path(two, corpus, tmp_pat
     run = dict(max_len=16, steps=4, eval_every=0, ckpt_every=0)
     d = tmp_path / "run"
     train(tiny(d, data=[[str(two[0]), 1], [str(two[1]), 2]], **run), stop_at=2)
-    for other in ([[str(two[0]), 2], [str(two[1]), 2]], [[str(two[1]), 2], [str(two[0]), 1]],
-                  [[str(two[0]), 1], [str(corpus[2]), 2]], [[str(two[0]), 1]]):
+    # other weights alone are named as such (the message blamed the corpora, quoting both fingerprints)
+    with pytest.raises(ValueError, match=r"the mixture's corpora are this run's, but not its weights, normalised: "
+                                         r"then \[0.333\d*, 0.666\d*\], now \[0.5, 0.5\]"):
+        train(tiny(d, data=[[str(two[0]), 2], [str(two[1]), 2]], **run), resume=True)
+    for other in ([[str(two[1]), 2], [str(two[0]), 1]], [[str(two[0]), 1], [str(corpus[2]), 2]], [[str(two[0]), 1]]):
         with pytest.raises(ValueError, match="the corpus at .* is not the one this run was trained on"):
             train(tiny(d, data=other, **run), resume=True)
     train(tiny(d, data=[[str(link), 1], [str(two[1]), 2]], **run), resume=True, stop_at=3)

@@ -752,6 +752,21 @@ def data_identity(fingerprint):
                                        for e in mixture]}
 
 
+def weights_alone_differ(then, now):
+    """(then's, now's) normalised weights when two data fingerprints' identities (data_identity)
+    differ in a mixture's weights alone, else None: a resume's refusal then names the weights, not
+    the corpora ([3, 1] and [0.3, 0.1] normalise one ulp apart, and the draws would differ)."""
+    a, b = data_identity(then), data_identity(now)
+    ma, mb = (x.get("mixture") if isinstance(x, dict) else None for x in (a, b))
+    if not (isinstance(ma, list) and isinstance(mb, list) and len(ma) == len(mb)
+            and all(isinstance(e, dict) for e in ma + mb)):
+        return None
+    strip = lambda m: [{k: v for k, v in e.items() if k != "weight"} for e in m]  # noqa: E731
+    if {**a, "mixture": strip(ma)} != {**b, "mixture": strip(mb)}:
+        return None
+    return [e.get("weight") for e in ma], [e.get("weight") for e in mb]
+
+
 def open_data(data, max_len: int, held_out: float = 0.05, seed: int = 0, pack: bool = False,
               max_doc_tokens: int | None = None):
     """TrainConfig.data of prepared corpora as batches: one folder (or a list of one) gives its
