@@ -160,6 +160,12 @@ class TrainConfig:
         def bad(name, want):
             raise ValueError(f"config field {short(name)} must be {want}, got {short(getattr(self, name))}")
 
+        def unread(names, why):  # fields this run would silently ignore: at their defaults, or refused
+            for name in names:
+                default = TrainConfig.__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    bad(name, f"its default {default!r} for {why}, which this run does not read)")
+
         if not isinstance(self.model, ModelConfig):
             bad("model", "a ModelConfig (a mapping of its fields goes through TrainConfig.from_dict)")
         # Every field's type, as a config file's are checked; the values as checked (a numpy scalar as
@@ -176,11 +182,7 @@ class TrainConfig:
         if self.method in STAR_ONLY and self.data != "star":
             bad("method", f"'bst' or 'forward' for text data ({STAR_ONLY} are star-graph baselines)")
         if self.method != "bst":
-            for name in BST_FIELDS:
-                default = TrainConfig.__dataclass_fields__[name].default
-                if getattr(self, name) != default:
-                    bad(name, f"its default {default!r} for method {self.method!r} (it is a field of the BST's "
-                        "objective, which this method does not read)")
+            unread(BST_FIELDS, f"method {self.method!r} (it is a field of the BST's objective")
         if self.method == "augment" and self.star_path_len < 3:
             bad("method", "not 'augment' when star_path_len < 3 (no intermediate node to ask for)")
         if not 0.0 <= self.augment_prob <= 1.0:
@@ -207,12 +209,10 @@ class TrainConfig:
             bad("pack", "false for star-graph data (a star graph fills its row: packing is for text documents)")
         if self.max_doc_tokens and self.data == "star":
             bad("max_doc_tokens", "0 for star-graph data (it drops long text documents)")
-        # fields of the other kind of data, which this run would silently ignore
-        for name in TEXT_FIELDS if self.data == "star" else STAR_FIELDS:
-            default = TrainConfig.__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                kind = "star-graph data (it is a text field" if self.data == "star" else "text data (it is a star-graph field"
-                bad(name, f"its default {default} for {kind}, which this run does not read)")
+        if self.data == "star":  # fields of the other kind of data
+            unread(TEXT_FIELDS, "star-graph data (it is a text field")
+        else:
+            unread(STAR_FIELDS, "text data (it is a star-graph field")
         if self.data != "star" and not 259 <= self.text_vocab <= MAX_VOCAB:
             bad("text_vocab", f"from 259 (256 byte tokens and PAD, BOS, EOS) to {MAX_VOCAB} for text data")
         if self.star_path_len < 2:

@@ -380,5 +380,7 @@ def test_a_set_of_paths_is_refused_and_a_generator_is_recorded_whole(tmp_path):
         train_bpe(set(tmp_path.glob("*.txt")), 300)
     tok = train_bpe(tmp_path, 300)
     save_tokenizer(tok, tmp_path / "tok.json")
+    with pytest.raises(ValueError, match="the data paths must be .* got set"):  # not made a list first
+        tokenize_corpus(set(tmp_path.glob("*.txt")), tmp_path / "out", tokenizer=tmp_path / "tok.json")
     manifest = tokenize_corpus(iter(sorted(tmp_path.glob("*.txt"))), tmp_path / "out", tokenizer=tmp_path / "tok.json")
     assert manifest["source"]["paths"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]

@@ -44,7 +44,6 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +54,8 @@ from ..files import fsync, sha256
 from .packing import padding_saved
 from .star import _Batches
 from .text import (_ENCODE_CHARS, SPECIAL_TOKENS, TextData, _check_split, _doc_batches, _documents, _progress_bar,
-                   _shown, _text_files, _text_only, check_no_special_ids, load_tokenizer, save_tokenizer, train_bpe,
-                   vocabulary_size)
+                   _shown, _text_files, _text_only, check_no_special_ids, load_tokenizer, path_list, save_tokenizer,
+                   train_bpe, vocabulary_size)
 
 # the folder's names and is_prepared live below data/text.py, which reads folders of raw text
 from .corpus_layout import FORMAT, MANIFEST, OFFSETS, TOKENIZER, TOKENS, VERSION, is_prepared  # noqa: F401
@@ -140,9 +139,8 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
     workers: encoding processes (None: one per CPU for a corpus over 4 MiB (4 * _ENCODE_CHARS
         bytes), else this process alone; 0: this process alone); the ids do not depend
     on it."""
-    if not isinstance(data, (str, os.PathLike)) and isinstance(data, Iterable) and not isinstance(data, (list, tuple)):
-        data = list(data)  # a generator (Path.glob) is read twice: for the files and for the manifest's paths
-    files = _text_files(data)  # a missing input is reported before anything else is done
+    paths = path_list(data)  # read once: a generator (Path.glob) gives the files and the manifest's paths
+    files = _text_files(paths)  # a missing input is reported before anything else is done
     out = Path(os.path.abspath(out))  # "." has no name: the temporary folder would land inside it
     here = os.path.realpath(os.getcwd())
     if here == os.path.realpath(out) or here.startswith(os.path.realpath(out) + os.sep):
@@ -194,8 +192,7 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
         with _terminate_unwinds():
             manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, workers)
         manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
-                        source={"paths": [os.path.abspath(p) for p in ([data] if isinstance(data, (str, os.PathLike))
-                                                                      else data)],
+                        source={"paths": [os.path.abspath(p) for p in paths],
                                 "files": len(files), "bytes": sum(f.stat().st_size for f in files)},
                         tokenizer_origin=origin)
         manifest["fingerprint"] = fingerprint_of(manifest)
@@ -740,31 +737,28 @@ class MixtureData(_Batches):
             yield from p.held_out_batches(batch_size)
 
 
-def data_identity(fingerprint):
+def data_identity(fingerprint, drop=("corpus",)):
     """What a resume compares of a run's data fingerprint (its data.json, or fingerprint() now): all
-    of it but a mixture's corpus names. A name is the path as the config wrote it, and a link, a moved
-    folder or a trailing '/' names the same corpus; the corpora's content fingerprints and weights, in
-    order, set every batch and stay. data.json keeps the names, so older run folders compare alike."""
+    of it but the `drop` keys of a mixture's entries, by default the corpus names. A name is the path
+    as the config wrote it, and a link, a moved folder or a trailing '/' names the same corpus; the
+    corpora's content fingerprints and weights, in order, set every batch and stay. data.json keeps
+    the names, so older run folders compare alike."""
     mixture = fingerprint.get("mixture") if isinstance(fingerprint, dict) else None
     if not isinstance(mixture, list):
         return fingerprint
-    return {**fingerprint, "mixture": [{k: v for k, v in e.items() if k != "corpus"} if isinstance(e, dict) else e
+    return {**fingerprint, "mixture": [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e
                                        for e in mixture]}
 
 
 def weights_alone_differ(then, now):
-    """(then's, now's) normalised weights when two data fingerprints' identities (data_identity)
-    differ in a mixture's weights alone, else None: a resume's refusal then names the weights, not
-    the corpora ([3, 1] and [0.3, 0.1] normalise one ulp apart, and the draws would differ)."""
-    a, b = data_identity(then), data_identity(now)
-    ma, mb = (x.get("mixture") if isinstance(x, dict) else None for x in (a, b))
-    if not (isinstance(ma, list) and isinstance(mb, list) and len(ma) == len(mb)
-            and all(isinstance(e, dict) for e in ma + mb)):
+    """(then's, now's) normalised weights when two data fingerprints differ in a mixture's weights
+    alone (and its names), else None: a resume's refusal then names the weights, not the corpora
+    ([3, 1] and [0.3, 0.1] normalise one ulp apart, and the draws would differ)."""
+    if data_identity(then, ("corpus", "weight")) != data_identity(now, ("corpus", "weight")):
         return None
-    strip = lambda m: [{k: v for k, v in e.items() if k != "weight"} for e in m]  # noqa: E731
-    if {**a, "mixture": strip(ma)} != {**b, "mixture": strip(mb)}:
-        return None
-    return [e.get("weight") for e in ma], [e.get("weight") for e in mb]
+    weights = [[e.get("weight") if isinstance(e, dict) else None for e in x.get("mixture", [])]
+               if isinstance(x, dict) else [] for x in (then, now)]
+    return tuple(weights) if weights[0] != weights[1] else None
 
 
 def open_data(data, max_len: int, held_out: float = 0.05, seed: int = 0, pack: bool = False,

@@ -87,19 +87,26 @@ def _shown(value, text: bool = False) -> str:
     return s if len(s) <= _SHOWN else s[:_SHOWN - 3] + "..."
 
 
-def _text_files(paths) -> list[Path]:
+def path_list(paths) -> list:
+    """The data paths as given (a path, or an ordered iterable of them: a list, a generator such as
+    Path.glob) as a list, read once; a ValueError for anything else."""
     if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+        return [paths]
     expected = "a .txt file or a folder of them, or a list of those"
     # None was "'NoneType' object is not iterable"; a set's order (so the corpus's) changes with the hash seed
     if isinstance(paths, (bytes, Mapping, AbstractSet)) or not isinstance(paths, Iterable):
         raise ValueError(f"the data paths must be {expected}, got {type(paths).__name__} {_shown(paths)}")
-    paths = list(paths)  # a generator (Path.glob) or any other iterable of paths
+    paths = list(paths)
     if not paths:
         raise ValueError(f"no data paths given: expected {expected}")
     for p in paths:
         if not isinstance(p, (str, os.PathLike)):
             raise ValueError(f"the data paths must be {expected}; one is {type(p).__name__} {_shown(p)}")
+    return paths
+
+
+def _text_files(paths) -> list[Path]:
+    paths = path_list(paths)
     files, prepared = [], {}  # prepared: is_prepared of each parent folder, read once (many files, one manifest)
     for p in map(Path, paths):
         # os.path's tests, not Path's: they answer False (not an OSError quoting it) for a path too
