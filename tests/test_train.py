@@ -649,7 +649,7 @@ def test_the_cli_ends_the_ddp_group_at_its_exit_and_not_between_commands(tmp_pat
     does not, so a second command in the same torchrun process trains on the same group (ending it
     there hung a second main() in a new rendezvous: review helper-77)."""
     script = tmp_path / "cli.py"
-    script.write_text(f"""import sys
+    script.write_text(f"""import os, sys
 import torch.distributed as dist
 import bst_fast.trainer as trainer
 from bst_fast.__main__ import cli, main
@@ -658,7 +658,10 @@ assert main(args + ["--set", "steps=3"]) == 0 and dist.is_initialized()
 real = trainer.end_process_group
 def spy():
     ended = real()
-    print("rank", "ended" if ended and not dist.is_initialized() else "kept", flush=True)
+    # one write(2) of a short line: the two ranks share torchrun's stdout pipe, and print's separate
+    # writes of 'rank' and ' ended' interleaved there ('rank\\nrank ended\\n ended': a CI failure)
+    sys.stdout.flush()
+    os.write(1, ("rank " + ("ended" if ended and not dist.is_initialized() else "kept") + "\\n").encode())
     return ended
 trainer.end_process_group = spy
 sys.argv = ["bst-fast", *args, "--resume"]
