@@ -260,3 +260,13 @@ def star_fields_for(data) -> dict:
 DDP_SCRIPT_END = ("import os, sys, torch.distributed as dist\n"
                   "dist.destroy_process_group() if dist.is_initialized() else None\n"
                   "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+
+
+def torchrun(script, *args, nproc: int = 2) -> list:
+    """The command that runs `script` (with args) on nproc local DDP ranks. --standalone lets the
+    rendezvous bind a free port: a fixed --master_port failed with EADDRINUSE whenever another
+    process (a second test run, a previous test's socket) held it."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(script), *map(str, args)]

@@ -15,7 +15,7 @@ from bst_fast.data import TextData, load_tokenizer
 from bst_fast.data.packing import pack_greedily, padding_fraction
 from bst_fast.data.prepared import open_data, tokenize_corpus
 from bst_fast.trainer import build_run, train_step
-from _helpers import DDP_SCRIPT_END, star_fields_for
+from _helpers import DDP_SCRIPT_END, star_fields_for, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -307,8 +307,7 @@ def test_ddp_two_ranks_on_split_rows_equal_one_process(tmp_path):
     for out, steps in (("one", []), ("short", ["1"])):
         subprocess.run([sys.executable, str(script), str(tmp_path / out), *steps], check=True, env=env,
                        capture_output=True)
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-           str(script), str(tmp_path / "two")]
+    ddp = torchrun(script, tmp_path / "two")
     run = subprocess.run(ddp, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     one, _ = load_model(tmp_path / "one")

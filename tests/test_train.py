@@ -14,7 +14,7 @@ from bst_fast import TrainConfig, load_model, train
 from bst_fast.checkpoint import latest_checkpoint
 from bst_fast.files import sha256
 from bst_fast.run_folder import MARKER
-from _helpers import DDP_SCRIPT_END, star_fields_for
+from _helpers import DDP_SCRIPT_END, star_fields_for, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_test.yaml"
@@ -51,8 +51,8 @@ def test_resume_is_bitwise_exact(tmp_path, method):
     assert any(not torch.equal(x, y) for x, y in moved.values())
 
 
-@pytest.mark.parametrize("head_type,port", [("mlp", 29517), ("swiglu", 29518)])
-def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
+@pytest.mark.parametrize("head_type", ["mlp", "swiglu"])
+def test_ddp_two_processes_equal_one(tmp_path, head_type):
     """Two DDP ranks give one process's parameters: the TextHead (cpp backend) and the official
     SwiGLU head (the torch backend, whose gradients are computed in the loss's forward). The DDP
     run stops at step 5, between logged steps, and resumes: its step-6 loss row still averages
@@ -70,7 +70,7 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type, port):
                     f"**{{'model.head_type': {head_type!r}}})\n"
                     f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
                     f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n" + DDP_SCRIPT_END)
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(legs)]
+    ddp = torchrun(legs)
     run = subprocess.run(ddp, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -139,7 +139,7 @@ fault("log", MetricsLog, "log", 0, "No space left on device", {str(tmp_path / 'l
 # this script started the group, so the trainer's exit hook (which ends a group it started) does not
 """ + DDP_SCRIPT_END)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519", str(legs)]
+    ddp = torchrun(legs)
     run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     lines = run.stdout.splitlines()
@@ -669,7 +669,7 @@ rc = cli()
 print("after cli", rc)  # not reached: a rank whose group cli ended leaves without the interpreter's teardown
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523", str(script)]
+    ddp = torchrun(script)
     run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run.stdout.count("rank ended") == 2 and "after cli" not in run.stdout, run.stdout
