@@ -694,26 +694,57 @@ def train_bpe_tokenizer_for_cache():
         return train_bpe(p, vocab_size=400)
 
 
-def test_sigterm_during_tokenize_deletes_the_temporary_folder(corpus, tmp_path):
+@pytest.mark.parametrize("held_at", ["mkdir", "written"])
+def test_sigterm_during_tokenize_deletes_the_temporary_folder(corpus, tmp_path, held_at):
     """A scheduler's SIGTERM unwinds like an interrupt: the hidden temporary folder is deleted (it
-    stayed, as big as tokens.bin, and nothing cleaned it later), and the exit status says why."""
+    stayed, as big as tokens.bin, and nothing cleaned it later), and the exit status says why. The
+    command is held until the signal comes, just after making the folder (a SIGTERM there, before
+    the handler was in place, left it: review helper-88) or after writing its ids into it (a race
+    on the encoding's duration, the signal sent once the command had finished, could fail the test)."""
     import signal
     import time
 
     text, tok, _ = corpus
-    big = tmp_path / "big.txt"
-    big.write_text((text.read_text() + "\n\n") * 400)  # a few MB: encoding takes a while
-    proc = subprocess.Popen([sys.executable, "-m", "bst_fast", "tokenize", str(big), "--out", str(tmp_path / "out"),
-                             "--tokenizer", str(tok), "--no-progress", "--workers", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
+    script = tmp_path / "held.py"
+    script.write_text(f"""import sys, time
+from pathlib import Path
+import bst_fast.data.prepared as prep
+from bst_fast.__main__ import cli
+def hold(folder):
+    (folder / "held").write_text("")
+    time.sleep(300)  # the test's SIGTERM ends this
+real_write, real_mkdir = prep._write, Path.mkdir
+def held_write(tmp, *args, **kwargs):
+    manifest = real_write(tmp, *args, **kwargs)
+    hold(tmp)
+    return manifest
+def held_mkdir(self, *args, **kwargs):
+    real_mkdir(self, *args, **kwargs)
+    if self.name.startswith(".out.tmp-"):
+        hold(self)
+if {held_at!r} == "written":
+    prep._write = held_write
+else:
+    Path.mkdir = held_mkdir
+sys.argv = ["bst-fast", "tokenize", {str(text)!r}, "--out", {str(tmp_path / "out")!r}, "--tokenizer", {str(tok)!r},
+            "--no-progress", "--workers", "0"]
+sys.exit(cli())
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.tmp-*/held")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    assert proc.poll() is None, "tokenize ended before it could be stopped: make the corpus bigger"
+    if proc.poll() is not None or not list(tmp_path.glob(".out.tmp-*/held")):
+        proc.kill()
+        pytest.fail(f"tokenize was not held in its temporary folder: {proc.communicate()[1][-2000:]}")
+    # held at "written", the folder holds the corpus's ids
+    assert bool(list(tmp_path.glob(".out.tmp-*/" + prep.TOKENS))) == (held_at == "written")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held.py"]
+    if held_at == "mkdir":
+        return  # the rest holds for both
     # only around the writing, in the main thread, where SIGTERM has its default action
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     seen = []

@@ -185,11 +185,12 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    if workers is None:  # small corpora: not worth starting processes
+        workers = default_workers() if sum(f.stat().st_size for f in files) > 4 * _ENCODE_CHARS else 0
     try:
-        if workers is None:  # small corpora: not worth starting processes
-            workers = default_workers() if sum(f.stat().st_size for f in files) > 4 * _ENCODE_CHARS else 0
+        # the handler is in place before the folder exists: a SIGTERM between the two left it behind
         with _terminate_unwinds():
+            tmp.mkdir()
             manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, workers)
         manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
                         source={"paths": [os.path.abspath(p) for p in paths],
