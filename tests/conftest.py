@@ -22,6 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # for a core the other worker holds made the C++ engine's tests many times slower). The tests of
     # thread counts set theirs.
     torch.set_num_threads(1)
+    # and the processes tests start (the CLI, torchrun's ranks, scripts): one OpenMP thread each
+    # unless a test says otherwise, for the same reason (review helper-88)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

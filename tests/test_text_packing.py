@@ -306,9 +306,9 @@ def test_ddp_two_ranks_on_split_rows_equal_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for out, steps in (("one", []), ("short", ["1"])):
         subprocess.run([sys.executable, str(script), str(tmp_path / out), *steps], check=True, env=env,
-                       capture_output=True)
+                       capture_output=True, timeout=300)
     ddp = torchrun(script, tmp_path / "two")
-    run = subprocess.run(ddp, env=env, capture_output=True, text=True)
+    run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     one, _ = load_model(tmp_path / "one")
     two, _ = load_model(tmp_path / "two")

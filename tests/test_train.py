@@ -63,7 +63,8 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
     accum = 2 if head_type == "mlp" else 1
     sets = ["--set", "ckpt_every=0", "--set", f"model.head_type={head_type}", "--set", f"grad_accum={accum}"]
     base = [sys.executable, "-m", "bst_fast", "train", "--config", str(TINY)] + sets
-    subprocess.run(base + ["--set", f"out_dir={tmp_path / 'one'}"], check=True, env=env, capture_output=True)
+    subprocess.run(base + ["--set", f"out_dir={tmp_path / 'one'}"], check=True, env=env, capture_output=True,
+                   timeout=300)
     legs = tmp_path / "legs.py"
     legs.write_text("import bst_fast, sys\n"
                     f"kw = dict(ckpt_every=0, grad_accum={accum}, out_dir={str(tmp_path / 'two')!r}, "
@@ -71,7 +72,7 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
                     f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
                     f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n" + DDP_SCRIPT_END)
     ddp = torchrun(legs)
-    run = subprocess.run(ddp, env=env, capture_output=True, text=True)
+    run = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
     def loss_rows(run):
