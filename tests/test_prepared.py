@@ -110,6 +110,32 @@ def test_piece_encoder_gives_the_tokenizers_own_ids(corpus):
     assert not piece_encodable(other) and not PieceEncoder(other).fast
 
 
+def test_piece_encoder_checks_short_documents_against_the_tokenizer_and_never_a_huge_one(corpus, monkeypatch):
+    """The fast encoder's ids are checked against encode_batch on some documents each call: a wrong
+    id is an error. Documents over _CHECK_CHARS are not checked (encode_batch's Encodings of a 50 MB
+    document held 13 GB: review helper-90), the short ones of the same calls are."""
+    from bst_fast.data import encode
+
+    tok = load_tokenizer(corpus[1])
+    long_doc = "once upon a time. " * (encode._CHECK_CHARS // 18 + 1)
+    assert len(long_doc) > encode._CHECK_CHARS
+    enc = PieceEncoder(tok, np.uint16)
+    checked = []
+    real = enc._hf
+    monkeypatch.setattr(enc, "_hf", lambda docs: checked.extend(map(len, docs)) or real(docs))
+    enc.encode([long_doc, "a short one", long_doc, "another"])  # first call: the pieces' misses, then the check
+    enc.encode([long_doc] * 3)
+    n_first = len(checked)
+    assert max(checked) < 200 and {len("a short one"), len("another")} <= set(checked), checked
+    flat, lengths = enc.encode([long_doc])
+    assert lengths.tolist() == [len(e.ids) for e in tok.encode_batch([long_doc], add_special_tokens=False)]
+    assert len(checked) == n_first  # nothing encoded or checked: the cache held every piece
+    bad = PieceEncoder(tok, np.uint16)
+    monkeypatch.setattr(bad, "_encode_fast", lambda docs: (np.zeros(3, np.uint16), np.array([3] + [0] * (len(docs) - 1))))
+    with pytest.raises(RuntimeError, match="piece-wise encoding differs"):
+        bad.encode(["a short one", "x"])
+
+
 # ---------------------------------------------------------------------------------------------
 # tokenize -> train
 
@@ -925,3 +951,17 @@ def test_a_resume_hashes_each_checkpoint_file_at_most_as_often_as_before(corpus,
     before = {"model.safetensors": 2, "state.pt": 2, "config.json": 2, "tokenizer.json": 3, "data.json": 3}
     assert set(counts) == set(before)  # every file is verified
     assert all(counts[name] <= n for name, n in before.items()), counts
+
+
+def test_the_summary_says_when_the_bpe_found_fewer_entries_than_asked(tmp_path, capsys):
+    """A corpus of few distinct words cannot fill the vocabulary asked for: the summary says so
+    (the model silently trained on the smaller one: review helper-90); a full one says nothing."""
+    text = tmp_path / "few.txt"
+    text.write_text("\n\n".join("the cat sat on the mat" for _ in range(50)))
+    manifest = prep.tokenize_corpus(text, tmp_path / "few.prep", vocab_size=2000, progress=False)
+    assert manifest["vocab_size"] < 2000
+    prep.print_summary(manifest, "few.prep", 1.0)
+    assert f"a BPE of vocab 2000 was asked for, and the text had merges for {manifest['vocab_size']} only" \
+        in capsys.readouterr().out
+    prep.print_summary({**manifest, "tokenizer_origin": {"trained": {"vocab_size": manifest["vocab_size"]}}}, "x", 1.0)
+    assert "was asked for" not in capsys.readouterr().out

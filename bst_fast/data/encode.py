@@ -45,6 +45,10 @@ MAX_CACHE = 1 << 20
 MAX_CACHE_BYTES = 160 << 20
 # Documents of the first call checked against encode_batch, and documents of each later call.
 _CHECK_FIRST, _CHECK_EACH = 64, 1
+# Only documents of at most this many characters are checked against encode_batch: its Encoding
+# objects take about 100 bytes a token, so checking one 50 MB document (no blank lines) held 13 GB
+# in three processes (review helper-90). Long documents take the same piece path as short ones.
+_CHECK_CHARS = 1 << 14
 
 
 def piece_encodable(tokenizer) -> bool:
@@ -151,13 +155,15 @@ class PieceEncoder:
         return np.frombuffer(join(out), dtype=self.dtype), lengths
 
     def _check(self, docs, flat, lengths):
-        """Some documents against encode_batch: the first _CHECK_FIRST, then _CHECK_EACH a call."""
+        """Some documents of at most _CHECK_CHARS characters against encode_batch: the first
+        _CHECK_FIRST, then _CHECK_EACH a call (none in a call whose picks are all longer)."""
         n = _CHECK_FIRST if self._calls == 0 else _CHECK_EACH
         self._calls += 1
         if not docs:
             return
-        pick = range(min(n, len(docs))) if self._calls == 1 else \
-            sorted({(self._calls * 7919 + j) % len(docs) for j in range(n)})
+        short = lambda k: len(docs[k]) <= _CHECK_CHARS
+        pick = [k for k in range(len(docs)) if short(k)][:n] if self._calls == 1 else \
+            sorted(k for k in {(self._calls * 7919 + j) % len(docs) for j in range(n)} if short(k))
         ends = np.cumsum(lengths)
         for k, ids in zip(pick, self._hf([docs[k] for k in pick])):
             got = flat[ends[k] - lengths[k]:ends[k]]

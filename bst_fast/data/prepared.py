@@ -813,4 +813,8 @@ def print_summary(manifest: dict, out, seconds: float, file=None):
           + (f"; dropped {manifest['dropped_documents']} documents longer than {manifest['max_doc_tokens']} tokens"
              if manifest.get("max_doc_tokens") is not None else "")
           + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
-             if manifest.get("empty_documents") else ""), file=file or sys.stdout)
+             if manifest.get("empty_documents") else "")
+          + (f"; a BPE of vocab {asked} was asked for, and the text had merges for {manifest['vocab_size']} only "
+             f"(too few distinct pieces of text): the model's vocabulary is {manifest['vocab_size']}"
+             if (asked := (manifest.get("tokenizer_origin") or {}).get("trained", {}).get("vocab_size", 0)) > manifest["vocab_size"]
+             else ""), file=file or sys.stdout)
