@@ -181,7 +181,8 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
     changes that leave the trajectory as it was (SAME_TRAJECTORY_CHANGES: the resume retraces the
     steps that made it; dropping it let a worse figure replace it) and it was made by as many ranks
     (best.json's "world"; another count sums the batch in another order); otherwise it belongs to
-    a trajectory the resume replaces. A best.json that fails its checksum or holds no finite figure is named on stderr and
+    a trajectory the resume replaces. A best whose evaluation scored other held-out rows
+    (eval_batches) never counts. A best.json that fails its checksum or holds no finite figure is named on stderr and
     counts as none (a new best replaces it)."""
     best = Path(out_dir) / "checkpoints" / BEST
     if not (best / BEST_JSON).is_file():
@@ -194,9 +195,11 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
             raise ValueError(f"its figure is {value}")
         if saved["metric"] != metric:
             return None
+        verify(best, only=CONFIG)
+        then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
+        if then["eval_batches"] != cfg.eval_batches:  # its figure scored other held-out rows: not comparable
+            return None
         if saved_step > step:
-            verify(best, only=CONFIG)
-            then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
             if resume_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
                 return None
             made_by = saved.get("world", world)  # a best.json from before stop 42 holds none

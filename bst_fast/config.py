@@ -25,7 +25,7 @@ STAR_ONLY = ("augment", "fim", "teacherless")  # their data transforms are defin
 # Fields only one kind of data reads: a non-default value on the other kind is refused (the run would
 # ignore it), and on resume they are no difference there (older versions let a config set them).
 STAR_FIELDS = ("star_degree", "star_path_len", "star_nodes", "n_train", "n_test", "augment_prob")
-TEXT_FIELDS = ("text_vocab", "max_len")  # tokenizer, pack and max_doc_tokens have their own checks
+TEXT_FIELDS = ("text_vocab", "max_len", "eval_batches")  # tokenizer, pack and max_doc_tokens have their own checks
 # The BST's objective: the other methods read none of these (reduction and augment_prob are left to
 # every method, as their comments say), so a non-default value is refused there, and is no
 # difference on resume.
@@ -109,6 +109,7 @@ class TrainConfig:
     seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
     out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard (the default for text runs too: set it)
     eval_every: int = 250  # steps between evaluations (and at the end); 0: only at the end
+    eval_batches: int = 0  # text: an evaluation scores the first N held-out batches (of batch_size rows); 0: all
     ckpt_every: int = 500  # steps between checkpoints (and at the end); 0: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept (0: all); a step-N folder is the run's, deleted whole
     keep_best: str = ""  # also keep the best checkpoint by this evaluation figure: "held_out_loss" or "path_accuracy"
@@ -223,8 +224,8 @@ class TrainConfig:
                 f"{self.star_path_len})")
         if self.max_len < 4:
             bad("max_len", ">= 4")
-        for name in ("n_train", "warmup", "eval_every", "ckpt_every", "keep_checkpoints", "grad_clip", "weight_decay",
-                     "max_doc_tokens"):
+        for name in ("n_train", "warmup", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "grad_clip",
+                     "weight_decay", "max_doc_tokens"):
             if getattr(self, name) < 0:
                 bad(name, ">= 0")
         if self.pairs is not None and not 0.0 < self.pairs <= 1.0:
@@ -462,7 +463,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # Fields a resumed run may change: they do not touch the parameters' trajectory (steps does, through
 # the schedule's length, but extending a run is a deliberate choice).
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
-RESUMABLE_CHANGES = ("steps", "eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
+RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
                      "progress", "device", "compile", "out_dir", "backend")
 # Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
 # randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.

@@ -8,6 +8,7 @@ settings from the config, the one place both model calls (training, held-out los
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -238,11 +239,13 @@ class TextTask:
         self.vocab_size, self.max_len, self.prefix_start = vocabulary_size(self.tokenizer), cfg.max_len, 0
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
+        self.eval_batches = cfg.eval_batches
         # The held-out figure's divisors, counted once: a set with no pair (or target) has no loss,
         # known now rather than at the first evaluation, eval_every steps into the run.
-        counts = [self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)
-                  for r in self.held_out()]
+        counts = [(*self.objective.totals(r.lengths, torch.zeros_like(r.lengths), r.tokens.shape[1], r.documents)[:2],
+                   r.tokens.shape[0]) for r in self.held_out()]
         self.held_out_totals = tuple(sum(c[k] for c in counts) for k in (0, 1))
+        self.held_out_rows = sum(c[2] for c in counts)  # the rows an evaluation scores (row_mean's divisor)
         empty = self.objective.nothing_to_learn(cfg.method, *self.held_out_totals) if counts else None
         self.held_out_empty = empty or not counts
         if cfg.keep_best == "held_out_loss" and self.held_out_empty:
@@ -302,8 +305,10 @@ class TextTask:
         return Rows(tokens, lengths, None, *documents)
 
     def held_out(self):
-        """The held-out rows as Rows batches of batch_size, in order."""
-        for tokens, lengths, *documents in self.data.held_out_batches(self.batch_size):
+        """The held-out rows an evaluation scores as Rows batches of batch_size, in order: every one,
+        or the first eval_batches (a held-out set of a large corpus took minutes an evaluation)."""
+        batches = self.data.held_out_batches(self.batch_size)
+        for tokens, lengths, *documents in itertools.islice(batches, self.eval_batches or None):
             yield Rows(tokens, lengths, None, *documents)
 
     @torch.no_grad()
@@ -328,7 +333,7 @@ class TextTask:
                 documents = None if r.documents is None else r.documents.to(device)
                 out = objective(model, r.tokens.to(device), r.lengths.to(device), prefix_start=0,
                                 generator=torch.Generator().manual_seed(k), pair_total=pair_total,
-                                token_total=token_total, row_total=self.data.n_held_out, documents=documents)
+                                token_total=token_total, row_total=self.held_out_rows, documents=documents)
                 loss += float(out["total"])
         except Exception as e:  # every rank learns of it in the sum below
             failure = e

@@ -539,6 +539,49 @@ def test_text_resume_checks_the_corpus_and_held_out_loss_ignores_batching(tmp_pa
     assert max(figures) - min(figures) < 1e-5 * figures[0], figures
 
 
+@pytest.mark.parametrize("method", ["bst", "forward"])
+def test_eval_batches_scores_the_first_held_out_batches_alone(tmp_path, method):
+    """eval_batches N: an evaluation is the held-out loss of the first N batches on their own (their
+    pair, token and row counts, row_mean's too), as if the held-out set held those rows only; 0 and
+    a cap past the set score every batch. A star run refuses it; a resume may change it."""
+    from bst_fast.tasks import TextTask as _TextTask
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"doc {k} says the cat sat on the mat {'and ran ' * (k % 7)}" for k in range(80)))
+    text = dict(data=str(corpus), text_vocab=280, max_len=16, steps=2, eval_every=0, ckpt_every=2, batch_size=2,
+                method=method, **({"reduction": "row_mean"} if method == "bst" else {}))
+    train(tiny(tmp_path / "run", **text))
+    model, cfg = load_model(tmp_path / "run")
+    task = lambda **kw: _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "out_dir": str(tmp_path / "e"), **kw}))
+    every = task()
+    n = len(list(every.held_out()))
+    assert n >= 3 and every.held_out_rows == every.data.n_held_out
+    assert task(eval_batches=n + 5).evaluate(model, "cpu") == every.evaluate(model, "cpu")
+    first = task(eval_batches=2)
+    assert len(list(first.held_out())) == 2 and first.held_out_rows == 4
+    got = first.evaluate(model, "cpu")["held_out_loss"]
+    assert got != every.evaluate(model, "cpu")["held_out_loss"]
+    # the same rows batched otherwise: the same figure (the counts are the rows', not the batches')
+    assert task(eval_batches=1, batch_size=4).evaluate(model, "cpu")["held_out_loss"] == pytest.approx(got, rel=1e-6)
+    if method == "bst":  # row_mean over the one row scored is that row's mean: its divisor is 1 row
+        one = {m: task(eval_batches=1, batch_size=1, reduction=m).evaluate(model, "cpu")["held_out_loss"]
+               for m in ("row_mean", "mean")}
+        assert one["row_mean"] == pytest.approx(one["mean"], rel=1e-6), one
+    with pytest.raises(ValueError, match="eval_batches"):
+        train(tiny(tmp_path / "star", eval_batches=2))
+    with pytest.raises(ValueError, match="eval_batches"):
+        train(tiny(tmp_path / "neg", **text, eval_batches=-1))
+    train(tiny(tmp_path / "run", **{**text, "steps": 3}, eval_batches=2), resume=True)
+    assert load_model(tmp_path / "run")[1].eval_batches == 2
+    # a best checkpoint's figure counts for a resume scoring the same rows only
+    from bst_fast.checkpoint import best_so_far
+
+    train(tiny(tmp_path / "best", **text, keep_best="held_out_loss"))
+    saved = load_model(tmp_path / "best")[1]
+    assert best_so_far(tmp_path / "best", "held_out_loss", 2, saved) is not None
+    assert best_so_far(tmp_path / "best", "held_out_loss", 2, TrainConfig.from_dict({**saved.to_dict(), "eval_batches": 2})) is None
+
+
 def test_lr_schedule_uses_each_value_once_and_logs_the_lr_it_used(tmp_path):
     """Warmup reaches lr at its last step, the cosine reaches min_lr at the run's last step, and the
     lr logged for a step is the one that step used; an extended run follows the new schedule."""
