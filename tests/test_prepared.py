@@ -2,6 +2,7 @@
 without tokenising, weighted mixtures, an existing tokenizer by path, and every bad input's error."""
 import hashlib
 import json
+import os
 import math
 import random
 import re
@@ -720,7 +721,7 @@ def train_bpe_tokenizer_for_cache():
         return train_bpe(p, vocab_size=400)
 
 
-@pytest.mark.parametrize("held_at", ["mkdir", "written"])
+@pytest.mark.parametrize("held_at", ["mkdir", "written", "fsync"])
 def test_sigterm_during_tokenize_deletes_the_temporary_folder(corpus, tmp_path, held_at):
     """A scheduler's SIGTERM unwinds like an interrupt: the hidden temporary folder is deleted (it
     stayed, as big as tokens.bin, and nothing cleaned it later), and the exit status says why. The
@@ -748,8 +749,15 @@ def held_mkdir(self, *args, **kwargs):
     real_mkdir(self, *args, **kwargs)
     if self.name.startswith(".out.tmp-"):
         hold(self)
+real_fsync = prep.fsync
+def held_fsync(path):
+    real_fsync(path)
+    if path.name == prep.MANIFEST:
+        hold(path.parent)
 if {held_at!r} == "written":
     prep._write = held_write
+elif {held_at!r} == "fsync":
+    prep.fsync = held_fsync
 else:
     Path.mkdir = held_mkdir
 sys.argv = ["bst-fast", "tokenize", {str(text)!r}, "--out", {str(tmp_path / "out")!r}, "--tokenizer", {str(tok)!r},
@@ -763,14 +771,14 @@ sys.exit(cli())
     if proc.poll() is not None or not list(tmp_path.glob(".out.tmp-*/held")):
         proc.kill()
         pytest.fail(f"tokenize was not held in its temporary folder: {proc.communicate()[1][-2000:]}")
-    # held at "written", the folder holds the corpus's ids
-    assert bool(list(tmp_path.glob(".out.tmp-*/" + prep.TOKENS))) == (held_at == "written")
+    # held past the mkdir, the folder holds the corpus's ids
+    assert bool(list(tmp_path.glob(".out.tmp-*/" + prep.TOKENS))) == (held_at != "mkdir")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held.py"]
-    if held_at == "mkdir":
-        return  # the rest holds for both
+    if held_at != "written":
+        return  # the rest holds for all
     # only around the writing, in the main thread, where SIGTERM has its default action
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     seen = []
@@ -965,3 +973,36 @@ def test_the_summary_says_when_the_bpe_found_fewer_entries_than_asked(tmp_path, 
         in capsys.readouterr().out
     prep.print_summary({**manifest, "tokenizer_origin": {"trained": {"vocab_size": manifest["vocab_size"]}}}, "x", 1.0)
     assert "was asked for" not in capsys.readouterr().out
+
+
+def test_tokenize_never_removes_a_temporary_folder_it_did_not_make(corpus, tmp_path, monkeypatch):
+    """A temporary name already taken (another process's folder) is an error, and that folder stays
+    (the clean-up removed it: review helper-91)."""
+    text, tok, _ = corpus
+    monkeypatch.setattr(prep.secrets, "token_hex", lambda n: "deadbeef")
+    theirs = tmp_path / f".out.tmp-{os.getpid()}-deadbeef"
+    theirs.mkdir()
+    (theirs / "theirs.bin").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        prep.tokenize_corpus(text, tmp_path / "out", tokenizer=str(tok), progress=False)
+    assert (theirs / "theirs.bin").read_bytes() == b"x" and not (tmp_path / "out").exists()
+
+
+def test_an_interrupt_between_the_renames_puts_the_old_corpus_back(corpus, tmp_path, monkeypatch):
+    """Replacing a prepared corpus moves the old one aside, then the new one in: an interrupt between
+    the two renames moves the old one back (the clean-up then deleted the new one, the old one left
+    under a hidden name)."""
+    text, tok, _ = corpus
+    out = tmp_path / "out"
+    first = prep.tokenize_corpus(text, out, tokenizer=str(tok), progress=False)
+    real = os.rename
+    def interrupted(a, b):
+        if Path(a).name.startswith(".out.tmp-"):
+            raise KeyboardInterrupt
+        real(a, b)
+    monkeypatch.setattr(prep.os, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prep.tokenize_corpus(text, out, tokenizer=str(tok), progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert json.loads((out / prep.MANIFEST).read_text())["fingerprint"] == first["fingerprint"]

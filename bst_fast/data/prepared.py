@@ -187,23 +187,31 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     if workers is None:  # small corpora: not worth starting processes
         workers = default_workers() if sum(f.stat().st_size for f in files) > 4 * _ENCODE_CHARS else 0
+    mine = True  # tmp is this call's, or not made yet (a FileExistsError must not remove another's folder)
     try:
-        # the handler is in place before the folder exists: a SIGTERM between the two left it behind
+        # SIGTERM unwinds from before the folder is made (a SIGTERM between the two left it behind)
+        # to its last fsync, not in _replace: between its two renames an unwinding would delete the
+        # new corpus with the old one moved aside; a SIGTERM there leaves both folders instead
         with _terminate_unwinds():
-            tmp.mkdir()
+            try:
+                tmp.mkdir()
+            except FileExistsError:
+                mine = False
+                raise
             manifest = _write(tmp, files, tok, dtype, max_doc_tokens, progress, workers)
-        manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
-                        source={"paths": [os.path.abspath(p) for p in paths],
-                                "files": len(files), "bytes": sum(f.stat().st_size for f in files)},
-                        tokenizer_origin=origin)
-        manifest["fingerprint"] = fingerprint_of(manifest)
-        manifest["seconds"] = {"bpe": round(bpe_seconds, 3), "encode": manifest.pop("_encode_seconds")}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for name in (TOKENS, OFFSETS, TOKENIZER, MANIFEST):
-            fsync(tmp / name)
+            manifest.update(vocab_size=vocab, special_ids=special, max_doc_tokens=max_doc_tokens,
+                            source={"paths": [os.path.abspath(p) for p in paths],
+                                    "files": len(files), "bytes": sum(f.stat().st_size for f in files)},
+                            tokenizer_origin=origin)
+            manifest["fingerprint"] = fingerprint_of(manifest)
+            manifest["seconds"] = {"bpe": round(bpe_seconds, 3), "encode": manifest.pop("_encode_seconds")}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            for name in (TOKENS, OFFSETS, TOKENIZER, MANIFEST):
+                fsync(tmp / name)
         _replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if mine:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 
@@ -381,7 +389,11 @@ def _replace(tmp: Path, out: Path):
         else:
             old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except BaseException:  # an interrupt between the renames: the old corpus goes back
+                os.rename(old, out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
             return
     os.rename(tmp, out)
