@@ -208,6 +208,7 @@ class TextTask:
         resume = resume_from is not None
         progress = None if cfg.progress and rank == 0 else False  # bars for large corpora, rank 0 only
         saved = given = None
+        trained = False  # a BPE trained here, on the raw text
         if resume:
             path = Path(resume_from) / TOKENIZER
             if not path.is_file():
@@ -234,9 +235,13 @@ class TextTask:
             if saved is not None or given is not None:
                 self.tokenizer = saved if saved is not None else given
             else:
-                self.tokenizer = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress)
+                self.tokenizer, trained = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress), True
             self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress, **rows)
         self.vocab_size, self.max_len, self.prefix_start = vocabulary_size(self.tokenizer), cfg.max_len, 0
+        if trained and rank == 0 and self.vocab_size < cfg.text_vocab:  # as `bst-fast tokenize` says it
+            print(f"a BPE of vocab {cfg.text_vocab} (text_vocab) was asked for, and the text had merges for "
+                  f"{self.vocab_size} only (too few distinct pieces of text): the model's vocabulary is "
+                  f"{self.vocab_size}", file=sys.stderr, flush=True)
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
         self.eval_batches = cfg.eval_batches
@@ -248,12 +253,14 @@ class TextTask:
         self.held_out_rows = sum(c[2] for c in counts)  # the rows an evaluation scores (row_mean's divisor)
         empty = self.objective.nothing_to_learn(cfg.method, *self.held_out_totals) if counts else None
         self.held_out_empty = empty or not counts
+        scored = (f"the first {cfg.eval_batches} held-out batches (eval_batches; 0 scores them all)" if cfg.eval_batches
+                  else "the corpus's held-out rows")
         if cfg.keep_best == "held_out_loss" and self.held_out_empty:
             why = (f"hold {empty}" if counts else "are none (a single document of a single row has none)")
-            raise ValueError(f"config field 'keep_best' is 'held_out_loss', but the corpus's held-out rows {why}: "
+            raise ValueError(f"config field 'keep_best' is 'held_out_loss', but {scored} {why}: "
                              "no held-out loss, so no best checkpoint could be kept")
         if rank == 0 and empty:
-            print(f"the held-out rows hold {empty}: the run reports no held_out_loss", file=sys.stderr, flush=True)
+            print(f"{scored} hold {empty}: the run reports no held_out_loss", file=sys.stderr, flush=True)
         if rank == 0 and (cfg.pack or cfg.max_doc_tokens or self.data.dropped_when_tokenised):
             print(self.summary(cfg), file=sys.stderr, flush=True)
         # The config holds the corpus's path only: a resumed run must also find the same corpus
@@ -313,8 +320,9 @@ class TextTask:
 
     @torch.no_grad()
     def evaluate(self, model, device, world: int = 1, rank: int = 0):
-        """The held-out loss over every held-out pair; under DDP each rank takes every world-th batch
-        and the losses (each normalised by the whole set's counts) are summed."""
+        """The held-out loss over every pair of the held-out batches scored (all, or the first
+        eval_batches); under DDP each rank takes every world-th batch and the losses (each
+        normalised by the scored set's counts) are summed."""
         if self.held_out_empty:  # no held-out rows (one document of one row, or held_out 0), or none
             return {}            # with a pair (or target, __init__): no figure
         # Every batch is normalised by the whole held-out set's pair and token counts, so the

@@ -320,6 +320,24 @@ def test_mixture_draws_rows_by_weight(two, tmp_path):
     assert mix.n_held_out == sum(p.n_held_out for p in mix.parts) > 0
 
 
+def test_a_mixtures_held_out_batches_take_the_corpora_in_turn(two, tmp_path):
+    """Every held-out row of each corpus once, a batch of each corpus in turn (then the longer one's
+    rest): eval_batches' first batches score every corpus (they scored the first one only: review
+    helper-91), and the whole set's figure is the same."""
+    cfg = tiny(tmp_path, data=[str(two[0]), str(two[1])], max_len=16, batch_size=1)
+    mix = TextTask(cfg).data
+    sizes = [p.n_held_out for p in mix.parts]
+    assert min(sizes) >= 2
+    key = lambda batch: [tuple(t[:n].tolist()) for t, n in zip(batch[0], batch[1])]
+    each = [[key(b) for b in p.held_out_batches(1)] for p in mix.parts]
+    got = [key(b) for b in mix.held_out_batches(1)]
+    k = min(sizes)
+    want = [row for pair in zip(each[0][:k], each[1][:k]) for row in pair] + each[0][k:] + each[1][k:]
+    assert got == want
+    first_two = TextTask(tiny(tmp_path, data=[str(two[0]), str(two[1])], max_len=16, batch_size=1, eval_batches=2))
+    assert [key(r) for r in first_two.held_out()] == [each[0][0], each[1][0]]
+
+
 def test_mixture_trains_and_resumes_from_a_yaml_list(two, tmp_path):
     yaml = tmp_path / "mix.yaml"
     # TINY's own steps, eval_every and ckpt_every left out (a key written twice is refused), and its
@@ -973,6 +991,9 @@ def test_the_summary_says_when_the_bpe_found_fewer_entries_than_asked(tmp_path, 
         in capsys.readouterr().out
     prep.print_summary({**manifest, "tokenizer_origin": {"trained": {"vocab_size": manifest["vocab_size"]}}}, "x", 1.0)
     assert "was asked for" not in capsys.readouterr().out
+    # a sample's few pieces are named as the cause, not the corpus's (review helper-91)
+    prep.print_summary({**manifest, "tokenizer_origin": {"trained": {"vocab_size": 2000, "sample_bytes": 5000}}}, "x", 1.0)
+    assert "asked for, and the --bpe-sample-mb sample had merges for" in capsys.readouterr().out
 
 
 def test_tokenize_never_removes_a_temporary_folder_it_did_not_make(corpus, tmp_path, monkeypatch):

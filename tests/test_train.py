@@ -543,7 +543,9 @@ def test_text_resume_checks_the_corpus_and_held_out_loss_ignores_batching(tmp_pa
 def test_eval_batches_scores_the_first_held_out_batches_alone(tmp_path, method):
     """eval_batches N: an evaluation is the held-out loss of the first N batches on their own (their
     pair, token and row counts, row_mean's too), as if the held-out set held those rows only; 0 and
-    a cap past the set score every batch. A star run refuses it; a resume may change it."""
+    a cap past the set score every batch. A star run refuses it; a resume may change it; a refusal
+    of held-out batches without a pair names it. (Also, on the same corpus: a raw run whose BPE
+    cannot reach text_vocab says so.)"""
     from bst_fast.tasks import TextTask as _TextTask
 
     corpus = tmp_path / "corpus.txt"
@@ -573,6 +575,30 @@ def test_eval_batches_scores_the_first_held_out_batches_alone(tmp_path, method):
         train(tiny(tmp_path / "neg", **text, eval_batches=-1))
     train(tiny(tmp_path / "run", **{**text, "steps": 3}, eval_batches=2), resume=True)
     assert load_model(tmp_path / "run")[1].eval_batches == 2
+    # a raw run's BPE asked for more entries than its text gives says so (as tokenize does)
+    if method == "forward":
+        import contextlib
+        import io
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            small = _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "text_vocab": 5000, "out_dir": str(tmp_path / "v")}))
+        assert small.vocab_size < 5000 and f"a BPE of vocab 5000 (text_vocab) was asked for, and the text had merges " \
+            f"for {small.vocab_size} only" in err.getvalue()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            _TextTask(TrainConfig.from_dict({**cfg.to_dict(), "out_dir": str(tmp_path / "v")}))
+        assert "was asked for" not in err.getvalue()
+    # held-out batches with no pair: the refusal names eval_batches when it set them
+    short = tmp_path / "short.txt"
+    short.write_text("\n\n".join("x" if k % 2 else f"doc {k} the cat sat on the mat and ran" for k in range(80)))
+    kw = dict(data=str(short), text_vocab=280, max_len=16, batch_size=1, min_gap=4, keep_best="held_out_loss")
+    if method == "bst":  # (a BST run: min_gap)
+        capped = next(eb for eb in range(1, 20) if not _TextTask(TrainConfig.from_dict(
+            {**tiny(tmp_path / "s", **kw).to_dict(), "keep_best": "", "eval_batches": eb})).held_out_empty) - 1
+        assert capped >= 1
+        _TextTask(tiny(tmp_path / "s", **kw))  # all held-out batches: some pairs
+        with pytest.raises(ValueError, match=rf"but the first {capped} held-out batches \(eval_batches; 0 scores"):
+            _TextTask(tiny(tmp_path / "s", **kw, eval_batches=capped))
     # a best checkpoint's figure counts for a resume scoring the same rows only
     from bst_fast.checkpoint import best_so_far
 

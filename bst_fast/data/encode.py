@@ -164,6 +164,8 @@ class PieceEncoder:
         short = lambda k: len(docs[k]) <= _CHECK_CHARS
         pick = [k for k in range(len(docs)) if short(k)][:n] if self._calls == 1 else \
             sorted(k for k in {(self._calls * 7919 + j) % len(docs) for j in range(n)} if short(k))
+        if not pick:
+            return
         ends = np.cumsum(lengths)
         for k, ids in zip(pick, self._hf([docs[k] for k in pick])):
             got = flat[ends[k] - lengths[k]:ends[k]]

@@ -745,9 +745,17 @@ class MixtureData(_Batches):
         return (out, lengths) if documents is None else (out, lengths, documents)
 
     def held_out_batches(self, batch_size: int):
-        """Every corpus's held-out rows once, corpus by corpus, in batches (each corpus's last may be short)."""
-        for p in self.parts:
-            yield from p.held_out_batches(batch_size)
+        """Every corpus's held-out rows once, in batches (each corpus's last may be short), the corpora
+        in turn: a batch of each, then the next of each, so that the first batches (eval_batches)
+        hold rows of every corpus while it has some."""
+        pending = [p.held_out_batches(batch_size) for p in self.parts]
+        while pending:
+            for batches in list(pending):
+                batch = next(batches, None)
+                if batch is None:
+                    pending.remove(batches)
+                else:
+                    yield batch
 
 
 def data_identity(fingerprint, drop=("corpus",)):
@@ -826,7 +834,9 @@ def print_summary(manifest: dict, out, seconds: float, file=None):
              if manifest.get("max_doc_tokens") is not None else "")
           + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
              if manifest.get("empty_documents") else "")
-          + (f"; a BPE of vocab {asked} was asked for, and the text had merges for {manifest['vocab_size']} only "
-             f"(too few distinct pieces of text): the model's vocabulary is {manifest['vocab_size']}"
-             if (asked := (manifest.get("tokenizer_origin") or {}).get("trained", {}).get("vocab_size", 0)) > manifest["vocab_size"]
-             else ""), file=file or sys.stdout)
+          + (f"; a BPE of vocab {asked} was asked for, and the "
+             + ("--bpe-sample-mb sample" if trained.get("sample_bytes") is not None else "text")
+             + f" had merges for {manifest['vocab_size']} only (too few distinct pieces of text): the model's "
+             f"vocabulary is {manifest['vocab_size']}"
+             if (asked := (trained := (manifest.get("tokenizer_origin") or {}).get("trained", {})).get("vocab_size", 0))
+             > manifest["vocab_size"] else ""), file=file or sys.stdout)
