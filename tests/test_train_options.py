@@ -265,7 +265,7 @@ def test_held_out_rows_without_a_pair_give_no_figure_and_keep_best_on_them_is_re
     assert not (tmp_path / "run").exists()
     out = train(cfg)
     assert "held_out_loss" not in out and out["loss"] == out["loss"]
-    assert "the held-out rows hold no pair (min_gap 22, max_gap None): the run reports no held_out_loss" in capfd.readouterr().err
+    assert "the corpus's held-out rows hold no pair (min_gap 22, max_gap None): the run reports no held_out_loss" in capfd.readouterr().err
     assert "held_out_loss" in train(cfg, min_gap=21, overwrite=True)  # one held-out pair: a figure
 
 
