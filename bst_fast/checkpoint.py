@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ._checks import short
-from .config import SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
+from .config import EVALUATION_CHANGES, SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
 from .files import CORPUS, TOKENIZER, atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
@@ -196,11 +196,11 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
         if saved["metric"] != metric:
             return None
         verify(best, only=CONFIG)
-        then = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict()
-        if then["eval_batches"] != cfg.eval_batches:  # its figure scored other held-out rows: not comparable
+        then, now = TrainConfig.from_dict(json.loads((best / CONFIG).read_text())).to_dict(), cfg.to_dict()
+        if any(then[k] != now[k] for k in EVALUATION_CHANGES):  # its figure scored other rows
             return None
         if saved_step > step:
-            if resume_changes(then, cfg.to_dict(), SAME_TRAJECTORY_CHANGES):
+            if resume_changes(then, now, SAME_TRAJECTORY_CHANGES):
                 return None
             made_by = saved.get("world", world)  # a best.json from before stop 42 holds none
             if isinstance(made_by, bool) or not isinstance(made_by, int) or made_by < 1:

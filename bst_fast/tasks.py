@@ -196,7 +196,7 @@ class TextTask:
 
     def __init__(self, cfg: TrainConfig, resume_from: Optional[Path] = None, rank: int = 0):
         from .data import TextData, load_tokenizer, train_bpe
-        from .data.text import vocabulary_size
+        from .data.text import bpe_shortfall, vocabulary_size
         from .data.prepared import data_identity, is_prepared, open_data, weights_alone_differ
 
         # A prepared corpus (a folder `bst-fast tokenize` wrote), or a list of them with weights,
@@ -238,10 +238,9 @@ class TextTask:
                 self.tokenizer, trained = train_bpe(cfg.data, vocab_size=cfg.text_vocab, progress=progress), True
             self.data = TextData(cfg.data, self.tokenizer, cfg.max_len, seed=cfg.seed, progress=progress, **rows)
         self.vocab_size, self.max_len, self.prefix_start = vocabulary_size(self.tokenizer), cfg.max_len, 0
-        if trained and rank == 0 and self.vocab_size < cfg.text_vocab:  # as `bst-fast tokenize` says it
-            print(f"a BPE of vocab {cfg.text_vocab} (text_vocab) was asked for, and the text had merges for "
-                  f"{self.vocab_size} only (too few distinct pieces of text): the model's vocabulary is "
-                  f"{self.vocab_size}", file=sys.stderr, flush=True)
+        shortfall = bpe_shortfall(cfg.text_vocab, self.vocab_size, field="text_vocab") if trained else ""
+        if rank == 0 and shortfall:  # as `bst-fast tokenize` says it
+            print(shortfall, file=sys.stderr, flush=True)
         self.eos_id = self.data.eos_id
         self.seed, self.batch_size, self.objective = cfg.seed, cfg.batch_size, Objective.from_config(cfg, self.eos_id)
         self.eval_batches = cfg.eval_batches

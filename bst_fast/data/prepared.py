@@ -54,8 +54,8 @@ from ..files import fsync, sha256
 from .packing import padding_saved
 from .star import _Batches
 from .text import (_ENCODE_CHARS, SPECIAL_TOKENS, TextData, _check_split, _doc_batches, _documents, _progress_bar,
-                   _shown, _text_files, _text_only, check_no_special_ids, load_tokenizer, path_list, save_tokenizer,
-                   train_bpe, vocabulary_size)
+                   _shown, _text_files, _text_only, bpe_shortfall, check_no_special_ids, load_tokenizer, path_list,
+                   save_tokenizer, train_bpe, vocabulary_size)
 
 # the folder's names and is_prepared live below data/text.py, which reads folders of raw text
 from .corpus_layout import FORMAT, MANIFEST, OFFSETS, TOKENIZER, TOKENS, VERSION, is_prepared  # noqa: F401
@@ -826,6 +826,9 @@ def _size(mb: float) -> str:
 
 def print_summary(manifest: dict, out, seconds: float, file=None):
     """The line `bst-fast tokenize` prints when it is done."""
+    trained = (manifest.get("tokenizer_origin") or {}).get("trained", {})  # a BPE trained here: what was asked
+    shortfall = bpe_shortfall(trained.get("vocab_size", 0), manifest["vocab_size"],
+                              "the --bpe-sample-mb sample" if trained.get("sample_bytes") is not None else "the text")
     mb = manifest["source"]["bytes"] / 1e6
     print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({manifest['dtype']}, "
           f"vocab {manifest['vocab_size']}) from {_size(mb)} of text in {seconds:.1f} s "
@@ -834,9 +837,4 @@ def print_summary(manifest: dict, out, seconds: float, file=None):
              if manifest.get("max_doc_tokens") is not None else "")
           + (f"; dropped {manifest['empty_documents']} documents the tokenizer encodes to no token"
              if manifest.get("empty_documents") else "")
-          + (f"; a BPE of vocab {asked} was asked for, and the "
-             + ("--bpe-sample-mb sample" if trained.get("sample_bytes") is not None else "text")
-             + f" had merges for {manifest['vocab_size']} only (too few distinct pieces of text): the model's "
-             f"vocabulary is {manifest['vocab_size']}"
-             if (asked := (trained := (manifest.get("tokenizer_origin") or {}).get("trained", {})).get("vocab_size", 0))
-             > manifest["vocab_size"] else ""), file=file or sys.stdout)
+          + (f"; {shortfall}" if shortfall else ""), file=file or sys.stdout)

@@ -379,6 +379,15 @@ def vocabulary_size(tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
+def bpe_shortfall(asked: int, got: int, source: str = "the text", field: str = "") -> str:
+    """The note for a BPE that found fewer entries than `asked` (by `field`, if named) in `source`,
+    too few distinct pieces of text to merge: the model's vocabulary is `got`. '' if none."""
+    if got >= asked:
+        return ""
+    return (f"a BPE of vocab {asked}{f' ({field})' if field else ''} was asked for, and {source} had merges for "
+            f"{got} only (too few distinct pieces of text): the model's vocabulary is {got}")
+
+
 def _text_only(tokenizer, where: str = "tokenizer"):
     """The tokenizer set to encode '<pad>', '<bos>' or '<eos>' written in a text as that text:
     otherwise HF tokenizers matches them in the input and a document would hold special ids (the
