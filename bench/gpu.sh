@@ -31,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must be compiled, not interpreted
-ALL_STEPS="paper lce levers-paper check-fused paper-compiled levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
+ALL_STEPS="paper lce levers-paper check-fused paper-compiled paper-ac levers ce segments gemm check check-levers paper-levers packed heads heads-512mb profile-swiglu heads-variants pairs-a pairs-b profile pairs-d pairs-long pairs-c subsample tests"
 for s in ${STEPS:-}; do
     [[ " $ALL_STEPS " == *" $s "* ]] || { echo "bench/gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -109,6 +109,10 @@ step 200 check-fused $F python3 bench/gpu_check.py cuda triton  # mostly compile
 # the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 ...)
 step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \
     --out "$out/$slug-compiled"
+# GPT and the original BST with each encoder block recomputed in the backward
+# (model.activation_checkpointing): its memory and time against the paper step's above
+step 150 paper-ac python3 bench/paper_speed.py --device cuda --shape paper --columns gpt bst-original \
+    --set model.activation_checkpointing=true --out "$out/$slug-ac"
 # the pair loss's levers (runtime switches, off unless timed faster here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 # (LEVERS="default fused_ce ...": only those, names without spaces)

@@ -464,7 +464,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # the schedule's length, but extending a run is a deliberate choice).
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
 RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
-                     "progress", "device", "compile", "out_dir", "backend")
+                     "progress", "device", "compile", "out_dir", "backend", "model.activation_checkpointing")
 # Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
 # randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.
 SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every", "progress",
@@ -476,7 +476,7 @@ EVALUATION_CHANGES = ("eval_batches",)
 
 def config_changes(then: dict, now: dict, allowed=()) -> dict:
     """The fields in which two TrainConfig dicts differ, but for `allowed`: {field: (then, now)}, the
-    model's named model.<field>. Fields the run never reads (TrainConfig.check refuses them now; older
+    model's named model.<field> (in `allowed` too). Fields the run never reads (TrainConfig.check refuses them now; older
     versions let a config set them) are no difference: the other kind of data's, and the BST's
     objective (with the GPT head gamma added) for another method."""
     unread = TEXT_FIELDS if now["data"] == "star" else STAR_FIELDS
@@ -486,7 +486,7 @@ def config_changes(then: dict, now: dict, allowed=()) -> dict:
     diff = {k: (then.get(k), v) for k, v in now.items()
             if k not in allowed and k != "model" and k not in unread and then.get(k) != v}
     diff.update({f"model.{k}": (then["model"].get(k), v) for k, v in now["model"].items()
-                 if k not in unread_model and then["model"].get(k) != v})
+                 if k not in unread_model and f"model.{k}" not in allowed and then["model"].get(k) != v})
     return diff
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int, plain_number, short
@@ -48,6 +49,10 @@ class ModelConfig:
     # "flex", torch's flex_attention with a block mask (compiled; skips the blocks no document spans);
     # rows of one document each (star graphs, unpacked text) take causal SDPA under either
     attention: str = "sdpa"
+    # recompute each encoder block's activations in the backward instead of keeping them: an encoder
+    # keeps one (B, T, m) input a block, for about one more forward of the encoders a step (the
+    # numbers are the same in eager mode; docs/results.md, Training). A resume may change it.
+    activation_checkpointing: bool = False
 
     def check(self, prefix: str = "model."):
         """Raise a ValueError naming the first field out of range (`prefix` + its name). The head's
@@ -65,7 +70,7 @@ class ModelConfig:
         for name in ("mlp_ratio", "dropout"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 bad(name, "a number")
-        for name in ("shared_encoders", "head_tie_embedding", "gpt_head", "backward_encoder"):
+        for name in ("shared_encoders", "head_tie_embedding", "gpt_head", "backward_encoder", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
         for name in ("vocab_size", "max_len", "d_model", "n_head"):
@@ -143,6 +148,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, segments: int = 0):
         super().__init__()
         self.max_len, self.attention = cfg.max_len, cfg.attention
+        self.activation_checkpointing = cfg.activation_checkpointing
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
         self.seg = nn.Embedding(segments, cfg.d_model) if segments else None
@@ -176,8 +182,14 @@ class Encoder(nn.Module):
             else:
                 x = x + self.seg.weight[segment]
         x = self.drop(x)
-        for k, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[k], mask)
+        if self.activation_checkpointing and caches is None and torch.is_grad_enabled():
+            # each block's input alone is kept; the backward runs the block again, with the dropout
+            # masks of its forward (the RNG state is restored), before its gradients
+            for block in self.blocks:
+                x = checkpoint(block, x, None, mask, use_reentrant=False)
+        else:
+            for k, block in enumerate(self.blocks):
+                x = block(x, None if caches is None else caches[k], mask)
         return self.ln(x)
 
 
