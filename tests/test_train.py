@@ -58,7 +58,9 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
     run stops at step 5, between logged steps, and resumes: its step-6 loss row still averages
     both ranks' steps 5 and 6 (each rank's share of the open interval is in the checkpoint). The mlp
     case takes two micro-batches a step (grad_accum 2): DDP must average at the last one (review
-    helper-78: averaging at the first left the ranks 0.92 apart, unseen with grad_accum 1)."""
+    helper-78: averaging at the first left the ranks 0.92 apart, unseen with grad_accum 1). The
+    swiglu case's DDP ranks recompute their encoder blocks in the backward
+    (model.activation_checkpointing), the one process does not: the same numbers under DDP too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     accum = 2 if head_type == "mlp" else 1
     sets = ["--set", "ckpt_every=0", "--set", f"model.head_type={head_type}", "--set", f"grad_accum={accum}"]
@@ -68,7 +70,7 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
     legs = tmp_path / "legs.py"
     legs.write_text("import bst_fast, sys\n"
                     f"kw = dict(ckpt_every=0, grad_accum={accum}, out_dir={str(tmp_path / 'two')!r}, "
-                    f"**{{'model.head_type': {head_type!r}}})\n"
+                    f"**{{'model.head_type': {head_type!r}, 'model.activation_checkpointing': {head_type == 'swiglu'}}})\n"
                     f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
                     f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n" + DDP_SCRIPT_END)
     ddp = torchrun(legs)
@@ -79,6 +81,7 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
         lines = (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
         return {int(s): float(v) for s, k, v in (line.split(",") for line in lines) if k == "loss"}
     one, two = loss_rows("one"), loss_rows("two")
+    assert load_model(tmp_path / "two")[1].model.activation_checkpointing == (head_type == "swiglu")
     assert sorted(one) == sorted(two) == [2, 3, 4, 6]
     assert all(abs(one[s] - two[s]) <= 1e-5 * abs(one[s]) for s in one), (one, two)
     params = same_params(tmp_path / "one", tmp_path / "two")
