@@ -109,10 +109,10 @@ step 200 check-fused $F python3 bench/gpu_check.py cuda triton  # mostly compile
 # the warm-up steps compile): the switches in force are the caller's (export BST_FAST_FUSED_CE=1 ...)
 step 300 paper-compiled python3 bench/paper_speed.py --device cuda --shape paper --set compile=true --warmup 4 \
     --out "$out/$slug-compiled"
-# GPT and the original BST with each encoder block recomputed in the backward
-# (model.activation_checkpointing): its memory and time against the paper step's above
+# GPT and the original BST, each again right after with its encoder blocks recomputed in the
+# backward (model.activation_checkpointing): the memory it saves and the time it costs, side by side
 step 150 paper-ac python3 bench/paper_speed.py --device cuda --shape paper --columns gpt bst-original \
-    --set model.activation_checkpointing=true --out "$out/$slug-ac"
+    --variant ac=model.activation_checkpointing=true --out "$out/$slug-ac"
 # the pair loss's levers (runtime switches, off unless timed faster here) against the defaults, each
 # checked against them first, interleaved reps, at the pairs-a shape: a lever that pays becomes a default
 # (LEVERS="default fused_ce ...": only those, names without spaces)

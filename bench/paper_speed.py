@@ -5,6 +5,7 @@
     python bench/paper_speed.py --columns gpt bst-improved --steps 30 --trace /tmp/traces
     python bench/paper_speed.py --set model.head_hidden=768 --set model.head_layers=2   # any config field, every column
     python bench/paper_speed.py --variant fused=fused_ce=1,relu_in_gemm=1   # each BST column again with these switches
+    python bench/paper_speed.py --variant ac=model.activation_checkpointing=true   # every column again with this config
 
 Every column is one TrainConfig stepped by `bst_fast.trainer.train_step`, the optimizer step
 `bst_fast.train` runs (forward and loss under the trainer's autocast, bf16 on a GPU; backward;
@@ -45,7 +46,8 @@ both and "backward" is the encoders' backward (and the GPT head's). `--nvtx` emi
 every op as NVTX ranges during the timed steps (for `nsys profile`). `--trace DIR` also profiles
 --profile-steps steps of each column with torch.profiler: DIR/<column>.trace.json (chrome trace)
 and DIR/<column>.txt (the top-op table). `--variant` runs each BST column again, right after it in
-this process, under other runtime switches (each run after its own warm-up; `triton_compiles_timed`
+this process, under other runtime switches, or every column under other config fields (a dotted
+model field or a TrainConfig field; each run after its own warm-up; `triton_compiles_timed`
 counts the kernels Triton compiled during a column's timed steps). Between columns torch.compile's
 caches are reset, so a compiled column never reuses another's graphs. Results: bench/results/<card>/paper_speed.{json,md}
 (<card>: the device's name as a slug, e.g. nvidia-h100-80gb-hbm3), or --out DIR; written after
@@ -456,19 +458,27 @@ def measure(column: Column, cfg: TrainConfig, task, device: str, steps: int, war
     return out
 
 
-def parse_variant(text: str) -> Tuple[str, Dict[str, Any]]:
-    """--variant NAME=SWITCH=VALUE[,SWITCH=VALUE...] -> (NAME, Switches changes); a ValueError names
-    what is wrong. Values: 1/0 (true/false) for the on/off switches, an int (or none) for the others."""
+def parse_variant(text: str) -> Tuple[str, Dict[str, Any], List[str]]:
+    """--variant NAME=KEY=VALUE[,KEY=VALUE...] -> (NAME, Switches changes, config sets); a ValueError
+    names what is wrong. A KEY is a runtime switch, with 1/0 (true/false) for the on/off switches and
+    an int (or none) for the others, or a config field (a TrainConfig field, or model.<field>), whose
+    KEY=VALUE is a `--set` (checked with the columns' configs)."""
     name, sep, rest = text.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default":
         raise ValueError(f"--variant {text!r}: expected NAME=SWITCH=VALUE[,SWITCH=VALUE...], NAME of letters, "
                          f"digits, '_', '.' or '-' and not 'default'")
     fields = {f.name: f for f in dataclasses.fields(runtime.Switches)}
+    config_fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
     changes: Dict[str, Any] = {}
+    sets: List[str] = []
     for item in rest.split(","):
         key, sep, value = item.partition("=")
+        if sep and (key in config_fields or key.startswith("model.")):
+            sets.append(item)
+            continue
         if not sep or key not in fields:
-            raise ValueError(f"--variant {text!r}: {item!r} is not SWITCH=VALUE with SWITCH one of {sorted(fields)}")
+            raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY a switch, one of "
+                             f"{sorted(fields)}, or a config field (a TrainConfig field or model.<field>)")
         if isinstance(getattr(runtime.Switches(), key), bool):
             if value.lower() not in ("1", "0", "true", "false"):
                 raise ValueError(f"--variant {text!r}: {key} takes 1 or 0, got {value!r}")
@@ -480,14 +490,14 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, Any]]:
                 changes[key] = int(value)
             except ValueError:
                 raise ValueError(f"--variant {text!r}: {key} takes an int, got {value!r}") from None
-    return name, changes
+    return name, changes, sets
 
 
 def run_column(column: Column, cfg: TrainConfig, task, device: str, steps: int, warmup: int,
                trace_dir: Optional[Path], profile_n: int, variant: Optional[str] = None,
                nvtx: bool = False) -> Dict[str, Any]:
     """measure(), or the column with its error (the other columns still run). `variant`: the name of
-    the switches in force, when a --variant changed them."""
+    the --variant whose switches are in force and whose config fields `cfg` holds."""
     if variant is not None:
         column = dataclasses.replace(column, name=f"{column.name} [{variant}]", slug=f"{column.slug}+{variant}")
     head = dict(name=column.name, slug=column.slug, variant=variant, paper_it_per_s=column.paper_it_per_s,
@@ -531,7 +541,8 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
         f"{meta['warmup']} warm-up steps, each through `bst_fast.trainer.train_step`."
         + (f" Config changes: `{' '.join(meta['sets'])}`." if meta["sets"] else "")
         + _levers_line(meta["switches"])
-        + "".join(f" Variant `{n}`: each BST column run again right after, in this process, with `"
+        + "".join(f" Variant `{n}`: each column it applies to (every column for a config field, the BST "
+                  "columns for switches) run again right after, in this process, with `"
                   + " ".join(f"{k}={v}" for k, v in c.items()) + "`." for n, c in meta.get("variants", {}).items()), "",
     ]
     if meta["device_type"] != "cuda":
@@ -558,7 +569,7 @@ def markdown(meta: Dict[str, Any], columns: List[Dict[str, Any]]) -> str:
               if c.get("variant") and not c["error"]
               and not (base := by_slug.get(c["slug"].split("+")[0], {})).get("error", True)]
     if ratios:
-        lines += ["", "Each variant's it/s over its column's with the switches in force (one run each, back to "
+        lines += ["", "Each variant's it/s over its column's with the switches and config in force (one run each, back to "
                   "back, not interleaved: indicative; bench/levers.py interleaves its reps): " + ", ".join(ratios) + "."]
     lines += ["", "Phases, ms (medians over the timed steps; \"pair loss\" includes the loss's gradient, which the "
               "fused backends compute in the forward; \"encoders\" holds the BST's row reversal; \"rest of forward\" "
@@ -595,11 +606,12 @@ def main(argv=None) -> int:
     ap.add_argument("--nvtx", action="store_true",
                     help="the timed steps' phases and ops also as NVTX ranges (cuda; run under nsys)")
     ap.add_argument("--variant", dest="variants", action="append", default=[],
-                    metavar="NAME=SWITCH=VALUE[,SWITCH=VALUE]",
+                    metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                     help="also run each BST column with these runtime switches (docs/backends.md, Levers) right "
                          "after its run with the switches in force: levers side by side in one process, e.g. "
                          "--variant fused=fused_ce=1,relu_in_gemm=1 (the GPT column has no pair loss: once; a variant of "
-                         "host_pairs/device_sampler alone runs the subsampled columns only)")
+                         "host_pairs/device_sampler alone runs the subsampled columns only); a KEY that is a config "
+                         "field (model.activation_checkpointing=true) runs every column again with it")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (on a shared CPU small shapes run faster on 1)")
     a = ap.parse_args(argv)
@@ -622,11 +634,13 @@ def main(argv=None) -> int:
         variants = [parse_variant(v) for v in a.variants]
     except ValueError as e:
         ap.error(str(e))
-    if len({n for n, _ in variants}) < len(variants):
+    if len({n for n, _, _ in variants}) < len(variants):
         ap.error("--variant: two variants have one name")
     base = base_config(shape, a.device, warmup + steps + 1 + a.profile_steps)
-    try:  # every column's config first: a bad --set fails before anything runs
+    try:  # every column's config first, and its variants': a bad --set fails before anything runs
         configs = [column_config(c, base, a.sets) for c in columns]
+        variant_configs = {(c.slug, n): column_config(c, base, a.sets + sets)
+                           for c in columns for n, _, sets in variants if sets}
     except ValueError as e:
         ap.error(str(e))
 
@@ -649,7 +663,7 @@ def main(argv=None) -> int:
                 precision="bf16 autocast (the trainer's)" if a.device == "cuda" else "float32 (the trainer's)",
                 shape_name=shape_name, shape={k: v for k, v in shape.items() if k not in ("steps", "warmup")},
                 steps=steps, warmup=warmup, sets=a.sets, data="SyntheticText: random ids, every row full",
-                variants={n: c for n, c in variants},
+                variants={n: {**c, **dict(s.split("=", 1) for s in sets)} for n, c, sets in variants},
                 switches=dataclasses.asdict(runtime.SWITCHES))  # the levers in force (docs/backends.md)
     print(f"device: {device}  torch {torch.__version__}  shape {shape_name}  {steps} timed steps after {warmup}",
           flush=True)
@@ -661,13 +675,14 @@ def main(argv=None) -> int:
             train_step(build_column_run(configs[0], task, a.device), 0)
     results: List[Dict[str, Any]] = []
     for column, cfg in zip(columns, configs):
-        # the GPT column has no pair loss; a variant of the subsample's switches alone skips all-pairs columns
-        applies = [(n, c) for n, c in variants if column.slug != "gpt"
+        # a variant of config fields runs every column; of switches alone, the BST columns (the GPT
+        # column has no pair loss), and of the subsample's switches alone, the subsampled ones
+        applies = [(n, c, sets) for n, c, sets in variants if sets or column.slug != "gpt"
                    and not (cfg.pairs is None and set(c) <= SUBSAMPLE_SWITCHES)]
-        for variant, changes in [(None, {})] + applies:
+        for variant, changes, sets in [(None, {}, [])] + applies:
             with runtime.switched(**changes):
-                results.append(run_column(column, cfg, task, a.device, steps, warmup, trace_dir, a.profile_steps,
-                                          variant, a.nvtx))
+                results.append(run_column(column, variant_configs[column.slug, variant] if sets else cfg, task,
+                                          a.device, steps, warmup, trace_dir, a.profile_steps, variant, a.nvtx))
             r = results[-1]
             if not r["error"]:
                 print(f"   {r['it_per_s']:.3g} it/s (whole loop {r['it_per_s_wall']:.3g}), "

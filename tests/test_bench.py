@@ -351,27 +351,33 @@ def test_paper_speed_columns_reach_the_loss_as_the_paper_sets_them(monkeypatch):
 def test_paper_speed_variants_run_beside_their_column(tmp_path, monkeypatch):
     ps = _paper_speed(monkeypatch, "_paper_speed_variants")
     assert ps.parse_variant("f=fused_ce=1,triton_chunk_bytes=1000,window_rows=none") == \
-        ("f", {"fused_ce": True, "triton_chunk_bytes": 1000, "window_rows": None})
-    for bad, match in (("f", "expected NAME"), ("default=fused_ce=1", "not 'default'"), ("f=fusedce=1", "SWITCH one of"),
+        ("f", {"fused_ce": True, "triton_chunk_bytes": 1000, "window_rows": None}, [])
+    assert ps.parse_variant("c=model.dropout=0.1,fused_ce=0,grad_clip=2") == \
+        ("c", {"fused_ce": False}, ["model.dropout=0.1", "grad_clip=2"])
+    for bad, match in (("f", "expected NAME"), ("default=fused_ce=1", "not 'default'"), ("f=fusedce=1", "a switch, one of"),
                        ("f=fused_ce=2", "takes 1 or 0"), ("f=triton_chunk_bytes=big", "takes an int")):
         with pytest.raises(ValueError, match=match):
             ps.parse_variant(bad)
     out = tmp_path / "v"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
                           "--threads", "1", "--columns", "gpt", "bst-original", "bst-improved", "--variant", "dp=host_pairs=0",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--variant", "ac=model.activation_checkpointing=true", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     cols = json.loads((out / "paper_speed.json").read_text())["columns"]
-    # the subsample's switch alone: not run again on all pairs
-    assert [(c["name"], c["variant"]) for c in cols] == [("GPT", None), ("BST original", None), ("BST improved", None),
-                                                         ("BST improved [dp]", "dp")]
-    assert cols[2]["switches"]["host_pairs"] and not cols[3]["switches"]["host_pairs"]
+    # the subsample's switch alone: not run again on all pairs; a config field: every column again
+    assert [(c["name"], c["variant"]) for c in cols] == [
+        ("GPT", None), ("GPT [ac]", "ac"), ("BST original", None), ("BST original [ac]", "ac"), ("BST improved", None),
+        ("BST improved [dp]", "dp"), ("BST improved [ac]", "ac")]
+    assert cols[4]["switches"]["host_pairs"] and not cols[5]["switches"]["host_pairs"]
+    assert [c["config"]["model"]["activation_checkpointing"] for c in cols] == [False, True, False, True, False, False, True]
     assert all(c["error"] is None and c["it_per_s"] > 0 for c in cols)
     assert isinstance(cols[3]["triton_compiles_timed"], (int, type(None)))
     assert "BST improved [dp] " in (out / "paper_speed.md").read_text().split("over its column's")[1]
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
-                          "--variant", "x=nope=1"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "nope" in bad.stderr and "==" not in bad.stdout
+    for variant, named in (("x=nope=1", "nope"), ("x=model.dropuot=0.1", "dropuot"), ("x=steps=abc", "steps")):
+        bad = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
+                              "--variant", variant], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and named in bad.stderr and "==" not in bad.stdout, bad.stderr
 
 
 def test_paper_speed_refuses_a_bad_set_before_running():
