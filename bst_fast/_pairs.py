@@ -385,7 +385,7 @@ def _as_row_vector(x, name, B, device):
         _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got {type(x).__name__}"
               + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
     if tuple(x.shape) != (B,):
-        _fail(ValueError, f"{name} must have shape ({B},) to match f, got {tuple(x.shape)}")
+        _fail(ValueError, f"{name} must have shape ({B},), one value per row of the batch, got {tuple(x.shape)}")
     return to_device(x.to(dtype=torch.int64).contiguous(), device)  # kernels read it with stride 1
 
 
@@ -466,9 +466,9 @@ def check_documents(documents, lengths, B, L, device, values: bool = True):
             _fail(ValueError, f"{name} must be a (B, L) integer tensor ({ID_DTYPES}) of document ids, got "
                               + (f"{ids.dtype}" if torch.is_tensor(ids) else type(ids).__name__))
         if tuple(ids.shape) != (B, L):
-            _fail(ValueError, f"{name} must have shape (B, L) = ({B}, {L}) to match f, got {tuple(ids.shape)}")
+            _fail(ValueError, f"{name} must have shape (B, L) = ({B}, {L}), the batch's, got {tuple(ids.shape)}")
         if ids.device != device:
-            _fail(ValueError, f"{name} must be on the device of f ({device}), got {ids.device}")
+            _fail(ValueError, f"{name} must be on the batch's device ({device}), got {ids.device}")
         t = torch.arange(1, L, device=device)[None]
         downs.append((name, ids, (ids[:, 1:] < ids[:, :-1]) & (t < lengths[:, None])))
     if values:

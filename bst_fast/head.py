@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import plain_number
 from ._pairs import ACTIVATIONS
 from .backends import runtime
 
@@ -388,7 +389,10 @@ class ResidualSwiGLUHead(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.d_model, self.vocab_size = d_model, vocab_size
         self.hidden = swiglu_hidden(d_model) if hidden is None else hidden
-        self.bias = bool(bias)
+        bias = plain_number(bias)
+        if not isinstance(bias, bool):  # bool("no") is True: a LayerNorm and biases nobody asked for
+            raise ValueError(f"bias must be True or False, got {bias!r}")
+        self.bias = bias
         two_m = 2 * d_model
         self.mlp = nn.Sequential(_SwiGLU(two_m, self.hidden, self.bias), nn.Identity(),
                                  nn.Linear(self.hidden, two_m, bias=self.bias))

@@ -1,6 +1,7 @@
 """The Belief State Transformer: GPT-2-style forward and backward encoders, a TextHead, an optional GPT head."""
 from __future__ import annotations
 
+import copy
 import numbers
 from dataclasses import dataclass
 from typing import List, Union
@@ -165,8 +166,14 @@ class Encoder(nn.Module):
         if id_dtype_ok(tokens.dtype):  # int8..int64, uint8 as int64 (the embedding reads int64, int32);
             tokens = tokens.long()       # a float or bool is left for the embedding to refuse
         T = tokens.shape[1]
+        if caches:  # the positions the caches hold: a new token's position is the next one
+            held = caches[0].get("k")
+            read = 0 if held is None else held.shape[2]
+            if offset != read:
+                raise ValueError(f"offset must be the number of positions the caches hold ({read}), got {offset}")
         if offset + T > self.max_len:
-            raise ValueError(f"sequence of {offset + T} tokens exceeds the encoder's max_len {self.max_len}")
+            raise ValueError(f"tokens of {offset + T} positions (padding included) exceed the encoder's max_len "
+                             f"{self.max_len}: a batch's width must fit it (drop padding columns past the longest row)")
         mask = None
         if documents is None:
             x = self.tok(tokens) + self.pos(torch.arange(offset, offset + T, device=tokens.device))[None]
@@ -271,7 +278,7 @@ def document_sides(documents):
 def next_token_mask(lengths, prefix_start, L, documents=None):
     """(B, L-1) bool: the positions i whose target tokens[i+1] is trained, prefix_start <= i <= len - 2
     (packed rows: where i and i + 1 are in one document, the pair (i, i + 1) of §10)."""
-    i = torch.arange(L - 1, device=lengths.device)[None]
+    i = torch.arange(max(L - 1, 0), device=lengths.device)[None]  # L = 0: no position
     ps = torch.as_tensor(prefix_start, device=lengths.device).reshape(-1, 1)
     mask = (i >= ps) & (i <= lengths[:, None] - 2)
     if documents is not None:
@@ -378,7 +385,8 @@ class BeliefStateTransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg.check()
+        # a copy: the caller's config changed later would no longer describe these layers
+        self.cfg = cfg = copy.deepcopy(cfg).check()
         shared = cfg.shared_encoders and cfg.backward_encoder
         self.forward_encoder = Encoder(cfg, segments=2 if shared else 0)
         self.backward_encoder = Encoder(cfg) if cfg.backward_encoder and not shared else None
@@ -502,7 +510,7 @@ class ForwardOnly(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg.check()
+        self.cfg = cfg = copy.deepcopy(cfg).check()  # a copy, as BeliefStateTransformer's
         self.forward_encoder = Encoder(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         _init_weights(self)
@@ -528,6 +536,13 @@ class Teacherless(ForwardOnly):
     def dummy_id(self):
         return self.cfg.vocab_size - 1
 
+    def _check_no_dummy(self, name, ids):
+        """The dummy stands for an answer token and is never one of the data's: one in the input
+        would read as a blinded answer position."""
+        if bool((ids == self.dummy_id).any()):
+            raise IndexError(f"{name} must not hold the teacherless dummy id {self.dummy_id} (vocab_size - 1; the "
+                             f"data's ids are [0, {self.dummy_id}))")
+
     def _blind(self, tokens, lengths, prefix_start):
         i = torch.arange(tokens.shape[1], device=tokens.device)[None]
         ps = torch.as_tensor(prefix_start, device=tokens.device).reshape(-1, 1)
@@ -540,6 +555,7 @@ class Teacherless(ForwardOnly):
         check_belief_only(self, belief_only)
         token_total = check_total("token_total", token_total)
         tokens, lengths = checked_batch(tokens, lengths, None, self.cfg.vocab_size)
+        self._check_no_dummy("tokens", tokens)  # padding is 0 now
         check_prefix_start(prefix_start, tokens.shape[0])
         f = self.forward_encoder(self._blind(tokens, lengths, prefix_start))
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
@@ -552,6 +568,8 @@ class Teacherless(ForwardOnly):
         if not torch.is_tensor(prefix) or prefix.dim() != 2 or prefix.shape[1] == 0:
             raise ValueError(f"prefix must be a (B, P) tensor of ids with P >= 1, got "
                              f"{tuple(prefix.shape) if torch.is_tensor(prefix) else type(prefix).__name__}")
+        full_lengths(prefix, None, self.cfg.vocab_size)
+        self._check_no_dummy("prefix", prefix)
         B, P = prefix.shape
         blind = torch.cat([prefix, prefix.new_full((B, max(n_new - 1, 0)), self.dummy_id)], 1)
         return self.lm_head(self.forward_encoder(blind)[:, P - 1:P - 1 + n_new]).argmax(-1)

@@ -493,7 +493,7 @@ class MetricsLog:
             return
         new = not self.path.exists()
         with self.path.open("a", newline="") as fh:
-            w = csv.writer(fh)
+            w = csv.writer(fh, lineterminator="\n")  # as truncate writes the rows a resume keeps
             if new:
                 w.writerow(["step", "key", "value"])
             for k, v in row.items():

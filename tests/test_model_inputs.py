@@ -201,3 +201,67 @@ def test_teacherless_trains_on_the_input_its_generate_reads():
     assert torch.equal(trained[:, :ps + 1], rows[:, :ps + 1]) and (trained[:, ps + 1:] == model.dummy_id).all()
     assert torch.equal(generated, trained[:, :generated.shape[1]]) and generated.shape[1] == ps + l
     assert torch.equal(new, model.lm_head(model.forward_encoder(trained))[:, ps:ps + l].argmax(-1))
+
+
+@pytest.mark.parametrize("cls", [BeliefStateTransformer, ForwardOnly])
+def test_a_model_keeps_its_own_copy_of_the_config(cls):
+    """A config changed after the model was built no longer described its layers: the logits were
+    split at the new vocab_size (review helper-94)."""
+    cfg = _cfg()
+    model = cls(cfg)
+    cfg.vocab_size, cfg.head_type = 3, "swiglu"
+    assert model.cfg.vocab_size == V and model.cfg.head_type == "mlp" and model.cfg is not cfg
+    if cls is BeliefStateTransformer:
+        assert [t.shape[-1] for t in model.logits(torch.randn(8), torch.randn(8))] == [V, V]
+
+
+@pytest.mark.parametrize("cls", [BeliefStateTransformer, ForwardOnly])
+def test_a_batch_of_no_position_is_a_clear_error(cls):
+    model = _model(cls, gpt_head=True) if cls is BeliefStateTransformer else _model(cls)
+    with pytest.raises(ValueError, match="no next-token position" if cls is ForwardOnly else "no valid pair|no next"):
+        model(torch.zeros(2, 0, dtype=torch.long), **({"gamma": 0.5} if cls is BeliefStateTransformer else {}))
+
+
+def test_a_batch_wider_than_max_len_names_the_padding():
+    with pytest.raises(ValueError, match=r"17 positions \(padding included\) exceed the encoder's max_len 16"):
+        _model()(torch.zeros(2, 17, dtype=torch.long), torch.tensor([8, 6]))
+
+
+def test_the_batch_checks_name_the_batch_not_f():
+    with pytest.raises(ValueError, match=r"lengths must have shape \(2,\), one value per row of the batch"):
+        _model()(TOKENS, torch.tensor([7, 5, 3]))
+    with pytest.raises(ValueError, match=r"documents must have shape \(B, L\) = \(2, 8\), the batch's"):
+        _model().prefix_states(TOKENS, LENGTHS)  # lengths given where documents go
+
+
+def test_a_cached_encoder_takes_the_next_position_only():
+    """An offset past the cached positions was read at that position, silently (review helper-94)."""
+    enc = _model().forward_encoder
+    caches = [dict() for _ in enc.blocks]
+    enc(TOKENS[:, :3], 0, caches)
+    with pytest.raises(ValueError, match=r"offset must be the number of positions the caches hold \(3\), got 5"):
+        enc(TOKENS[:, 3:4], 0, caches, offset=5)
+    full = enc(TOKENS[:, :4])
+    assert torch.allclose(enc(TOKENS[:, 3:4], 0, caches, offset=3)[:, 0], full[:, 3], atol=1e-12)
+
+
+def test_teacherless_refuses_its_dummy_id_in_the_data_and_in_a_prompt():
+    model = _model(Teacherless)  # dummy id V - 1
+    with pytest.raises(IndexError, match=rf"tokens must not hold the teacherless dummy id {V - 1}"):
+        model(TOKENS.masked_fill(TOKENS == 7, V - 1), LENGTHS)
+    model(TOKENS.masked_fill(TOKENS == 0, V - 1), LENGTHS)  # at padding it is never read
+    with pytest.raises(IndexError, match=rf"prefix must not hold the teacherless dummy id {V - 1}"):
+        model.generate(torch.tensor([[1, V - 1]]), 3)
+    with pytest.raises(IndexError, match=rf"tokens must lie in \[0, vocab_size={V}\)"):
+        model.generate(torch.tensor([[1, V]]), 3)
+
+
+@pytest.mark.parametrize("bias", ["no", 1, None])
+def test_the_swiglu_heads_bias_is_true_or_false(bias):
+    from bst_fast import ResidualSwiGLUHead
+
+    with pytest.raises(ValueError, match="bias must be True or False"):
+        ResidualSwiGLUHead(4, 3, bias=bias)
+    import numpy as np
+
+    assert ResidualSwiGLUHead(4, 3, bias=np.bool_(True)).bias is True

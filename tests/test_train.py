@@ -428,6 +428,8 @@ def test_stop_between_logged_steps_resumes_to_the_same_metrics(tmp_path):
         lines = (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
         return [line for line in lines if line.split(",")[1] in ("loss", "lr", "path_accuracy")]
     assert rows("full") == rows("cut") and [r.split(",")[0] for r in rows("full")].count("6") == 0
+    # one line ending throughout (the rows a resume kept were rewritten with "\n", new ones had "\r\n")
+    assert all(b"\r" not in (tmp_path / run / "metrics.csv").read_bytes() for run in ("full", "cut"))
     assert {k: full[k] for k in ("loss", "lr", "path_accuracy")} == {k: resumed[k] for k in ("loss", "lr", "path_accuracy")}
 
 
