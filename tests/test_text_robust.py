@@ -384,3 +384,34 @@ def test_a_set_of_paths_is_refused_and_a_generator_is_recorded_whole(tmp_path):
         tokenize_corpus(set(tmp_path.glob("*.txt")), tmp_path / "out", tokenizer=tmp_path / "tok.json")
     manifest = tokenize_corpus(iter(sorted(tmp_path.glob("*.txt"))), tmp_path / "out", tokenizer=tmp_path / "tok.json")
     assert manifest["source"]["paths"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+
+
+BPE_INTERRUPTED = """
+import os, signal, sys, threading
+from bst_fast.data import text
+read = text._documents
+def documents(files, bar):
+    yield from read(files, bar)
+    # the corpus is read: HF's trainer now merges in Rust, where no signal is looked at
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+text._documents = documents
+try:
+    text.train_bpe(sys.argv[1], vocab_size=20000)
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted", any(t.name == "bst_fast-bpe-trainer" and t.is_alive() for t in threading.enumerate()))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_ctrl_c_during_the_bpe_trainers_merges_takes_effect_before_they_end(tmp_path):
+    """HF's trainer never checks for signals: a SIGINT sent during its merges (about a second
+    here, minutes on a large corpus) took effect only when they ended (review helper-90). It now
+    interrupts while they still run."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 12))) for _ in range(60000)]
+    (tmp_path / "c.txt").write_text("\n\n".join(" ".join(rng.choices(words, k=60)) for _ in range(3000)))
+    run = subprocess.run([sys.executable, "-c", BPE_INTERRUPTED, str(tmp_path / "c.txt")], capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.split() == ["interrupted", "True"], run.stdout + run.stderr[-2000:]

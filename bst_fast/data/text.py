@@ -43,6 +43,7 @@ import os
 import random
 import re
 import sys
+import threading
 from collections.abc import Iterable, Mapping, Set as AbstractSet
 from pathlib import Path
 
@@ -304,7 +305,7 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
                                  f"(the whole corpus)")
             docs = itertools.chain([first], docs)
         try:
-            tok.train_from_iterator(docs, trainer=trainer)
+            _interruptible(lambda: tok.train_from_iterator(docs, trainer=trainer))
         except BaseException as e:
             # a Rust panic reaches Python as pyo3_runtime.PanicException, a BaseException that no
             # caller's `except Exception` (or the CLI's) catches: a traceback, exit 1
@@ -316,6 +317,35 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
         if bar is not None:
             bar.close()
     return _text_only(tok)
+
+
+def _interruptible(work):
+    """work() on a worker thread while the main thread waits in short joins. HF's BPE trainer
+    releases the GIL but never checks for signals: on the main thread a Ctrl-C (or tokenize's
+    SIGTERM) took effect only when its merges ended, seconds to minutes later. Now the main thread's
+    handlers run within 0.1 s, and the exception they raise leaves the worker (a daemon) to finish
+    unseen, its result dropped, or to end with the process. Off the main thread, where no signal
+    handler runs, work() runs in place. An exception of work() is raised here."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    box, done = {}, threading.Event()
+
+    def run():
+        try:
+            box["result"] = work()
+        except BaseException as e:  # a PanicException too: the caller turns it into a ValueError
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="bst_fast-bpe-trainer", daemon=True).start()
+    # an Event, not join(timeout): a join cut by the handler's exception marks the running thread
+    # as stopped (CPython's _wait_for_tstate_lock releases its lock)
+    while not done.wait(0.1):
+        pass
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _spread_sample(documents, rate: float):
