@@ -153,6 +153,19 @@ class _TextCodec:
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids if i not in (self.bos_id, self.eos_id)])
 
+    def show(self, ids):
+        """The text of `ids` with every special named where it stands (<eos>, ...), which decode drops."""
+        parts, run = [], []
+        for i in list(ids) + [None]:
+            if i is None or int(i) in self.specials:
+                parts.append(self.tok.decode([int(t) for t in run]))
+                run = []
+                if i is not None:
+                    parts.append(self.specials[int(i)])
+            else:
+                run.append(i)
+        return "".join(parts)
+
 
 def cmd_generate(args):
     import torch
@@ -186,6 +199,16 @@ def cmd_generate(args):
         if goal or args.search == "plan" or args.rollouts is not None:
             raise ValueError(f"this BST checkpoint's Next head was not trained ({untrained}): generate decodes "
                              f"with its GPT head, forward only (--search greedy, sample or beam, no --suffix)")
+    if star and cfg.method != "fim":  # FIM's own layout is read below
+        # the rows' form: [BOS, edges, '/', s, g, '='] then path nodes (a prompt without '/ s g =' or
+        # with other tokens after it was decoded as if it were one, into something not a path)
+        tok = codec.tok
+        query = prompt.index(tok.query_id) if tok.query_id in prompt else len(prompt)
+        node = lambda t: 0 <= t < tok.n_nodes  # noqa: E731
+        if not (len(prompt) >= query + 4 and node(prompt[query + 1]) and node(prompt[query + 2])
+                and prompt[query + 3] == tok.answer_id and all(map(node, prompt[query + 4:]))):
+            raise ValueError("--prefix: a star-graph prefix is the graph's edges, '/', the start and goal nodes and '=' "
+                             "(e.g. \"3 7 | 7 2 | 3 5 | 5 1 / 3 1 =\"), then the path nodes already known, if any")
     if cfg.method in ("fim", "teacherless") and prompt[-1] != codec.tok.answer_id:
         # FIM trained on [... / s g | n_j .. n_l =] then the whole path; teacherless on dummies after '='
         raise ValueError(f"a {cfg.method} star-graph prefix must end with '=' (the model was trained on no path "
@@ -272,10 +295,12 @@ def cmd_generate(args):
         temperature = 1.0 if args.temperature is None else args.temperature
         new = decode.sample(model, torch.tensor([prompt]), horizon, codec.eos_id, goal=goal, generator=gen,
                             temperature=0 if search == "greedy" else temperature, top_k=args.top_k)[0].tolist()
-    if not star and codec.eos_id in new:
+    if not star and not goal and codec.eos_id in new:  # the text ended there
         new = new[:new.index(codec.eos_id)]
     print(f"prefix:    {codec.decode(prompt)}")
-    print(f"generated: {codec.show(new) if star else codec.decode(new)}")
+    # star graphs, and a middle before a suffix, are shown whole, specials named: the tokens scored
+    # (a middle cut at an <eos> was not the candidate the score is of)
+    print(f"generated: {codec.show(new) if star or goal else codec.decode(new)}")
     if goal:
         print(f"suffix:    {codec.decode(goal)}")
     if score is not None:
@@ -322,10 +347,13 @@ def cmd_probe(args):
     from .data import StarGraphData
     from .decode import probe_future_tokens
 
-    for path in args.checkpoint:
+    loaded = []
+    for path in args.checkpoint:  # every checkpoint checked before the first probe trains
         _, model, cfg = _resolve_checkpoint(path)
         if cfg.data != "star" or cfg.method not in ("bst", "forward"):
             raise ValueError(f"{short(str(path))}: probes read star-graph BST or forward-only checkpoints, not {cfg.method} on {cfg.data}")
+        loaded.append((path, model, cfg))
+    for path, model, cfg in loaded:
         # A seed the run never used, so probe graphs are fresh.
         data = StarGraphData(cfg.star_degree, cfg.star_path_len, cfg.star_nodes, args.n_train, args.n_test, seed=cfg.seed + 12345)
         ks = range(1, data.path_len + 1)

@@ -159,6 +159,10 @@ class BSTSearch:
         goal = _ids(goal, "goal").to(_device(self.model))
         if len(goal) == 0:
             return self.model.empty_suffix(self.eos_id)
+        if not self.model.cfg.backward_encoder:
+            raise ValueError("this BST has no backward encoder (model.backward_encoder false, the 'w/o backward' "
+                             "ablation): its suffix state is one learned vector that no goal reaches; decode it "
+                             "without a goal")
         row = torch.cat([goal, goal.new_tensor([self.eos_id])])[None]
         return self.model.suffix_states(row)[0, 0]
 
@@ -207,6 +211,9 @@ def searcher(model, eos_id: Optional[int] = None, head: str = "next"):
     if head not in ("next", "gpt"):
         raise ValueError(f"head must be 'next' or 'gpt', got {short(head)}")
     if all(hasattr(model, name) for name in ("start", "step", "score")):
+        if eos_id is not None and getattr(model, "eos_id", eos_id) != eos_id:  # B(goal + EOS) is the interface's
+            raise ValueError(f"eos_id {short(eos_id)} differs from the search interface's own ({model.eos_id}): "
+                             "give the same one, or none")
         if head == "gpt" and not (isinstance(model, ForwardSearch) and model.head is getattr(model.model, "gpt", None)):
             raise ValueError("head='gpt' picks the search interface of a model: pass the model, not a search "
                              f"interface ({type(model).__name__})")
@@ -267,6 +274,8 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     n_new = check_int("n_new", n_new, 0)
     if top_k is not None:
         top_k = check_int("top_k", top_k, 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     # a bool is no temperature (True would sample at 1); numpy's floats are Real numbers too
     if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
@@ -419,7 +428,9 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
     for depth in range(n_new):
         total = (F.log_softmax(_score_dtype(logits), -1).cpu() + logp[:, None]).reshape(-1)  # (beams * V,)
         V = logits.shape[-1]
-        logp, flat = total.topk(min(beams, total.numel()))
+        # ties by the lower (beam, token) index, as sample and plan break theirs (topk's order is its own)
+        order = torch.sort(total, descending=True, stable=True)
+        logp, flat = order.values[:beams], order.indices[:beams]
         parent, token = flat // V, flat % V
         seqs = torch.cat([seqs[parent], token[:, None]], 1)
         if depth + 1 < n_new:

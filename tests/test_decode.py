@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bst_fast import decode
 from bst_fast.__main__ import main
 from bst_fast.model import BeliefStateTransformer, ForwardOnly, ModelConfig
-from bst_fast import TrainConfig, train
+from bst_fast import TrainConfig, load_tokenizer, train
 from _helpers import star_fields_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -555,6 +555,13 @@ def test_generate_cli_errors(star_ckpt, tmp_path, capsys):
                          ("0 1 | 1 2 / 0 2 = 0 <eos>", 10, "<eos>")):
         assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", bad]) == 2, bad
         assert f"--prefix: token {k} encodes as {name}" in capsys.readouterr().err
+    # a star-graph prompt has the rows' form, '/ s g =' then path nodes (review helper-93: one without
+    # '=', or with other tokens after it, was decoded into something not a path)
+    for bad in ("0 1 | 1 2 | 0 3 | 3 4 / 0 4", "= = =", "0 1 | 1 2 / 0 2 = 1 |", "0 1 | 1 2 / 0 = 2", "0 1 / 0 1 = 1 / 0 1 ="):
+        assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", bad]) == 2, bad
+        assert "a star-graph prefix is the graph's edges, '/', the start and goal nodes and '='" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", prefix + " 3"]) == 0  # a path node known
+    capsys.readouterr()
     # a leading <bos> is the one BOS generate would put there
     assert main(["generate", "--checkpoint", str(star_ckpt), "--prefix", "<bos> " + prefix]) == 0
     capsys.readouterr()
@@ -582,6 +589,29 @@ def test_generate_cli_text(tmp_path, capsys):
     # '<eos>' written in a prompt is text, as in a training document, not the EOS id
     assert main(args[:-1] + ["Once <eos> upon", "--search", "greedy", "--horizon", "2"]) == 0, capsys.readouterr().err
     assert "prefix:    Once <eos> upon" in capsys.readouterr().out
+    # a middle before a suffix is shown whole, the EOS a candidate holds named: it was cut at the first
+    # EOS, showing another text than the one scored (review helper-93)
+    tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")
+    cat, eos = tok.encode(" cat", add_special_tokens=False).ids, tok.token_to_id("<eos>")
+    real_plan = decode.plan
+
+    def plan_with_eos(model, prompt, goal, **kw):
+        found = real_plan(model, prompt, goal, **kw)
+        best = torch.tensor(list(prompt) + [eos] + cat + list(goal))
+        return found._replace(best=best)
+    decode.plan, before = plan_with_eos, decode.plan
+    try:
+        assert main(args + ["--suffix", " The end.", "--rollouts", "2", "--horizon", str(1 + len(cat))]) == 0
+    finally:
+        decode.plan = before
+    assert capsys.readouterr().out.splitlines()[1] == "generated: <eos> cat"
+    # without a suffix the text ends at its EOS
+    decode.sample, before = (lambda *a, **k: torch.tensor([cat + [eos] + cat])), decode.sample
+    try:
+        assert main(args + ["--search", "greedy", "--horizon", str(2 * len(cat) + 1)]) == 0
+    finally:
+        decode.sample = before
+    assert capsys.readouterr().out.splitlines()[1] == "generated:  cat"
 
 
 def test_generate_cli_refuses_a_prompt_its_tokenizer_encodes_as_special_ids(tmp_path, capsys):
@@ -652,3 +682,45 @@ def test_decoders_take_uint16_and_uint32_ids():
         assert torch.equal(got.best, want.best) and torch.equal(got.scores, want.scores)
     greedy = decode.sample(model, [4, 0], 3, EOS, temperature=0)
     assert torch.equal(decode.sample(model, torch.tensor([4, 0], dtype=torch.uint16), 3, EOS, temperature=0), greedy)
+
+
+def test_a_goal_is_refused_by_a_bst_without_a_backward_encoder():
+    """Its suffix state is one learned vector: a goal was accepted and changed nothing (helper-93)."""
+    torch.manual_seed(0)
+    model = BeliefStateTransformer(ModelConfig(vocab_size=5, max_len=24, n_layer=1, d_model=16, n_head=2,
+                                               backward_encoder=False)).eval()
+    for call in (lambda: decode.sample(model, [0, 1], 2, eos_id=4, goal=[3]),
+                 lambda: decode.beam_search(model, [0, 1], 2, beams=2, goal=[3], eos_id=4),
+                 lambda: decode.plan(model, [0, 1], [3], horizon=1, rollouts=2, eos_id=4)):
+        with pytest.raises(ValueError, match="no backward encoder"):
+            call()
+    assert decode.sample(model, [0, 1], 2, eos_id=4).shape == (1, 2)  # without a goal it decodes
+
+
+def test_a_search_interface_refuses_another_eos_id():
+    s = decode.searcher(tiny_bst(), 4)
+    for call in (lambda: decode.plan(s, [0, 1], [3], horizon=1, rollouts=2, eos_id=2),
+                 lambda: decode.sample(s, [0, 1], 2, eos_id=2), lambda: decode.beam_search(s, [0, 1], 2, eos_id=2)):
+        with pytest.raises(ValueError, match=r"eos_id 2 differs from the search interface's own \(4\)"):
+            call()
+    assert decode.sample(s, [0, 1], 2, eos_id=4).shape == decode.sample(s, [0, 1], 2).shape == (1, 2)
+
+
+def test_beam_search_breaks_ties_by_index():
+    model = tiny_bst(V=5)
+    with torch.no_grad():  # every continuation equally likely
+        model.head.layers[-1].weight.zero_()
+        model.head.layers[-1].bias.zero_()
+    seqs, _ = decode.beam_search(model, [0, 1], 2, beams=4, eos_id=4)
+    assert seqs.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3]]
+
+
+def test_sample_refuses_a_generator_that_is_not_one():
+    with pytest.raises(ValueError, match="generator must be a torch.Generator or None, got int"):
+        decode.sample(tiny_bst(), [0, 1], 2, eos_id=4, generator=123)
+
+
+def test_probe_checks_every_checkpoint_before_the_first_probe(star_ckpt, tmp_path, capsys):
+    assert main(["probe", "--checkpoint", str(star_ckpt), "--checkpoint", str(tmp_path / "missing")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "does not exist" in out.err
