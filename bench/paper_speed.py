@@ -611,7 +611,8 @@ def main(argv=None) -> int:
                          "after its run with the switches in force: levers side by side in one process, e.g. "
                          "--variant fused=fused_ce=1,relu_in_gemm=1 (the GPT column has no pair loss: once; a variant of "
                          "host_pairs/device_sampler alone runs the subsampled columns only); a KEY that is a config "
-                         "field (model.activation_checkpointing=true) runs every column again with it")
+                         "field (model.activation_checkpointing=true) runs every column that takes it again with it "
+                         "(the BST's objective fields: the BST columns)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (on a shared CPU small shapes run faster on 1)")
     a = ap.parse_args(argv)
@@ -639,10 +640,22 @@ def main(argv=None) -> int:
     base = base_config(shape, a.device, warmup + steps + 1 + a.profile_steps)
     try:  # every column's config first, and its variants': a bad --set fails before anything runs
         configs = [column_config(c, base, a.sets) for c in columns]
-        variant_configs = {(c.slug, n): column_config(c, base, a.sets + sets)
-                           for c in columns for n, _, sets in variants if sets}
     except ValueError as e:
         ap.error(str(e))
+    # a config variant runs on the columns that take it (the BST's objective fields: not on GPT's,
+    # which refuses them), and is an error that names it where no column does
+    variant_configs: Dict[Tuple[str, str], TrainConfig] = {}
+    for n, _, sets in variants:
+        refused = {}
+        for c in columns if sets else ():
+            try:
+                variant_configs[c.slug, n] = column_config(c, base, a.sets + sets)
+            except ValueError as e:
+                refused[c.name] = str(e)
+        if refused and len(refused) == len(columns):
+            ap.error(f"--variant {n}: no column takes it: " + "; ".join(f"{k}: {v}" for k, v in refused.items()))
+        for name, why in refused.items():
+            print(f"--variant {n} skips the {name} column: {why}", flush=True)
 
     if a.device == "cuda":
         device = torch.cuda.get_device_name()
@@ -675,10 +688,10 @@ def main(argv=None) -> int:
             train_step(build_column_run(configs[0], task, a.device), 0)
     results: List[Dict[str, Any]] = []
     for column, cfg in zip(columns, configs):
-        # a variant of config fields runs every column; of switches alone, the BST columns (the GPT
-        # column has no pair loss), and of the subsample's switches alone, the subsampled ones
-        applies = [(n, c, sets) for n, c, sets in variants if sets or column.slug != "gpt"
-                   and not (cfg.pairs is None and set(c) <= SUBSAMPLE_SWITCHES)]
+        # a variant of config fields runs every column that takes it; of switches alone, the BST columns
+        # (the GPT column has no pair loss), and of the subsample's switches alone, the subsampled ones
+        applies = [(n, c, sets) for n, c, sets in variants if (column.slug, n) in variant_configs
+                   or not sets and column.slug != "gpt" and not (cfg.pairs is None and set(c) <= SUBSAMPLE_SWITCHES)]
         for variant, changes, sets in [(None, {}, [])] + applies:
             with runtime.switched(**changes):
                 results.append(run_column(column, variant_configs[column.slug, variant] if sets else cfg, task,

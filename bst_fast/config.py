@@ -468,7 +468,7 @@ RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "ckpt_every", "keep_
 # Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
 # randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.
 SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every", "progress",
-                           "out_dir")
+                           "out_dir", "model.activation_checkpointing")  # its numbers are the same (eager mode)
 # Of those, the ones that change what an evaluation scores: a figure made under other values (a best
 # checkpoint's) is not comparable, whatever the trajectory.
 EVALUATION_CHANGES = ("eval_batches",)

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import check_int, plain_number, short
 from ._pairs import _as_row_vector, _raise_start, check_documents, full_lengths, host_known, id_dtype_ok
+from .backends import under_torch_func
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -189,11 +191,16 @@ class Encoder(nn.Module):
             else:
                 x = x + self.seg.weight[segment]
         x = self.drop(x)
-        if self.activation_checkpointing and caches is None and torch.is_grad_enabled():
+        # (not inside a torch.func transform, whose grad and vjp refuse checkpoint's saved-tensor hooks:
+        # the same numbers, without the memory saved)
+        if self.activation_checkpointing and caches is None and torch.is_grad_enabled() and not under_torch_func():
             # each block's input alone is kept; the backward runs the block again, with the dropout
-            # masks of its forward (the RNG state is restored), before its gradients
+            # masks of its forward (the RNG state is restored) and the parameters it read then (a
+            # functional_call's, which are no longer the module's by the backward), before its gradients
             for block in self.blocks:
-                x = checkpoint(block, x, None, mask, use_reentrant=False)
+                params = dict(block.named_parameters())
+                x = checkpoint(lambda x, block=block, params=params: functional_call(block, params, (x, None, mask)),
+                               x, use_reentrant=False)
         else:
             for k, block in enumerate(self.blocks):
                 x = block(x, None if caches is None else caches[k], mask)

@@ -119,3 +119,31 @@ def test_a_value_other_than_true_or_false_is_refused(value):
         ModelConfig(activation_checkpointing=value).check()
     with pytest.raises(ValueError, match="activation_checkpointing"):
         TrainConfig.from_dict({"model": {"activation_checkpointing": value}})
+
+
+def test_functional_call_and_torch_func_grad_get_the_same_gradients():
+    """The recompute ran the blocks with the module's own parameters, which a functional_call had
+    put back by the backward: its gradients were silently wrong; torch.func.grad raised (its
+    transforms refuse saved-tensor hooks). Review helper-95."""
+    from torch.func import functional_call, grad
+
+    runs = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = BeliefStateTransformer(ModelConfig(vocab_size=V, max_len=L, n_layer=2, d_model=16, n_head=2,
+                                                   head_hidden=16, activation_checkpointing=checkpointing))
+        params = {k: (v.detach() * 1.5).requires_grad_() for k, v in model.named_parameters()}
+        loss = functional_call(model, params, (TOKENS, LENGTHS))["total"]
+        grads = torch.autograd.grad(loss, list(params.values()))
+        func = grad(lambda p: functional_call(model, p, (TOKENS, LENGTHS), {"backend": "reference"})["total"])(
+            {k: v.detach() for k, v in params.items()})
+        runs[checkpointing] = loss.detach(), grads, [func[k] for k in params]
+    (l0, g0, f0), (l1, g1, f1) = runs[False], runs[True]
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1)) and all(torch.equal(a, b) for a, b in zip(f0, f1))
+    # and they are the functional call's: not the module's own parameters' gradients
+    torch.manual_seed(0)
+    own = BeliefStateTransformer(ModelConfig(vocab_size=V, max_len=L, n_layer=2, d_model=16, n_head=2, head_hidden=16))
+    own(TOKENS, LENGTHS)["total"].backward()
+    assert not torch.allclose(own.forward_encoder.blocks[0].qkv.weight.grad, g1[list(params).index(
+        "forward_encoder.blocks.0.qkv.weight")])

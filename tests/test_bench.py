@@ -361,16 +361,22 @@ def test_paper_speed_variants_run_beside_their_column(tmp_path, monkeypatch):
     out = tmp_path / "v"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "paper_speed.py"), "--device", "cpu", "--shape", "tiny",
                           "--threads", "1", "--columns", "gpt", "bst-original", "bst-improved", "--variant", "dp=host_pairs=0",
-                          "--variant", "ac=model.activation_checkpointing=true", "--out", str(out)],
+                          "--variant", "ac=model.activation_checkpointing=true", "--variant", "p=pairs=0.5",
+                          "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     cols = json.loads((out / "paper_speed.json").read_text())["columns"]
-    # the subsample's switch alone: not run again on all pairs; a config field: every column again
+    # the subsample's switch alone: not run again on all pairs; a config field: every column that takes
+    # it again (the BST's pairs: not the GPT column, which says so)
     assert [(c["name"], c["variant"]) for c in cols] == [
-        ("GPT", None), ("GPT [ac]", "ac"), ("BST original", None), ("BST original [ac]", "ac"), ("BST improved", None),
-        ("BST improved [dp]", "dp"), ("BST improved [ac]", "ac")]
-    assert cols[4]["switches"]["host_pairs"] and not cols[5]["switches"]["host_pairs"]
-    assert [c["config"]["model"]["activation_checkpointing"] for c in cols] == [False, True, False, True, False, False, True]
+        ("GPT", None), ("GPT [ac]", "ac"), ("BST original", None), ("BST original [ac]", "ac"),
+        ("BST original [p]", "p"), ("BST improved", None), ("BST improved [dp]", "dp"), ("BST improved [ac]", "ac"),
+        ("BST improved [p]", "p")]
+    assert cols[5]["switches"]["host_pairs"] and not cols[6]["switches"]["host_pairs"]
+    assert [c["config"]["model"]["activation_checkpointing"] for c in cols] == [False, True, False, True, False, False,
+                                                                                  False, True, False]
+    assert [c["config"]["pairs"] for c in cols if c["variant"] == "p"] == [0.5, 0.5]
+    assert "--variant p skips the GPT column: config field 'pairs'" in run.stdout
     assert all(c["error"] is None and c["it_per_s"] > 0 for c in cols)
     assert isinstance(cols[3]["triton_compiles_timed"], (int, type(None)))
     assert "BST improved [dp] " in (out / "paper_speed.md").read_text().split("over its column's")[1]

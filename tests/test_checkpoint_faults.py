@@ -208,12 +208,14 @@ def _scripted_accuracy(monkeypatch, figures, crash_at=None):
     monkeypatch.setattr(tasks.StarTask, "evaluate", lambda self, *a, **k: {"path_accuracy": figures.get(now["step"], 0.0)})
 
 
-@pytest.mark.parametrize("change, kept", [({"eval_every": 3}, True), ({"steps": 14}, False)])
+@pytest.mark.parametrize("change, kept", [({"eval_every": 3}, True), ({"model.activation_checkpointing": True}, True),
+                                          ({"steps": 14}, False)])
 def test_a_best_saved_after_the_resumed_step_is_kept_on_the_same_trajectory(tmp_path, monkeypatch, change, kept):
     """A run evaluated 0.9 at step 8 (its best), was killed at step 9 and resumed from step 6. A
     best saved after the resumed step was always dropped, so the first evaluation after the resume
     (0.2 at step 9) replaced the 0.9 of this very trajectory. It is kept now when the resumed run
-    retraces it (a changed eval_every), and still dropped when a change (steps) makes another."""
+    retraces it (a changed eval_every, activation checkpointing switched on: the same numbers), and
+    still dropped when a change (steps) makes another."""
     d = tmp_path / "run"
     opts = dict(steps=12, ckpt_every=6, eval_every=2, keep_best="path_accuracy")
     figures = {2: 0.5, 8: 0.9, 9: 0.2, 12: 0.3, 14: 0.3}
@@ -224,8 +226,11 @@ def test_a_best_saved_after_the_resumed_step_is_kept_on_the_same_trajectory(tmp_
     assert json.loads(best.read_text())["step"] == 8 and latest_checkpoint(d).name == "step-00000006"
     # made by one rank: a resume under another number of ranks sums its batches in another order
     assert json.loads(best.read_text())["world"] == 1
-    resumed = TrainConfig.from_dict({**json.loads((d / "checkpoints" / "step-00000006" / "config.json").read_text()),
-                                     **change})  # as the trainer has it: the data's model fields set
+    saved = json.loads((d / "checkpoints" / "step-00000006" / "config.json").read_text())
+    for key, value in change.items():  # a model field into the saved model's mapping
+        parent, _, leaf = key.partition(".")
+        saved.update({parent: {**saved[parent], leaf: value}} if leaf else {key: value})
+    resumed = TrainConfig.from_dict(saved)  # as the trainer has it: the data's model fields set
     assert checkpoint.best_so_far(d, "path_accuracy", 6, resumed, world=2) is None
     assert checkpoint.best_so_far(d, "path_accuracy", 6, resumed, world=1) == (0.9 if kept else None)
     # step 8 scores 0.1 if evaluated again: only a dropped best lets it (and then 0.3) replace the 0.9

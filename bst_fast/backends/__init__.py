@@ -35,7 +35,7 @@ def module(name: str):
     return chosen
 
 
-def _under_torch_func() -> bool:
+def under_torch_func() -> bool:
     """Inside a torch.func transform (grad, vjp, vmap, jacrev, ...): the fused backends are
     autograd.Functions without functorch rules (and without a second derivative, which grad's
     create_graph asks for); the reference backend is plain autograd. Not asked while compiling."""
@@ -47,7 +47,7 @@ def _under_torch_func() -> bool:
 def pick(backend: str, head, f):
     """The backend module named, or for "auto" the fastest one that takes this head, dtype and device
     (the reference inside a torch.func transform)."""
-    if _under_torch_func():
+    if under_torch_func():
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend {backend!r} cannot run inside a torch.func transform (grad, vmap, jacrev, ...): "
                              f"its fused engine has no functorch rule; use backend='reference' (or 'auto', which "

@@ -220,8 +220,8 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
 def _terminate_unwinds():
     """SIGTERM (a scheduler's stop) unwinds as an interrupt does while the temporary folder is being
     written, so that it is deleted (the default left it behind): only where SIGTERM has its default
-    action and this is the main thread, and only then (a handler cannot run inside the BPE trainer's
-    native code, so it would only delay a stop there)."""
+    action and this is the main thread, and only then (not while a BPE trains before it: that writes
+    nothing, and the default action stops it at once)."""
     import signal
     import threading
 

@@ -320,11 +320,11 @@ def train_bpe(paths, vocab_size: int = 1000, special_tokens=SPECIAL_TOKENS, prog
 
 
 def _interruptible(work):
-    """work() on a worker thread while the main thread waits in short joins. HF's BPE trainer
-    releases the GIL but never checks for signals: on the main thread a Ctrl-C (or tokenize's
-    SIGTERM) took effect only when its merges ended, seconds to minutes later. Now the main thread's
-    handlers run within 0.1 s, and the exception they raise leaves the worker (a daemon) to finish
-    unseen, its result dropped, or to end with the process. Off the main thread, where no signal
+    """work() on a worker thread while the main thread waits. HF's BPE trainer releases the GIL but
+    never checks for signals: on the main thread a Ctrl-C (or any Python signal handler) took effect
+    only when its merges ended, seconds to minutes later. Now the main thread's handlers run within
+    0.1 s, and the exception they raise leaves the worker (a daemon) to finish unseen, its result
+    dropped, or to end with the process. Off the main thread, where no signal
     handler runs, work() runs in place. An exception of work() is raised here."""
     if threading.current_thread() is not threading.main_thread():
         return work()
