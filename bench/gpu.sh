@@ -13,7 +13,7 @@
 # there is time).
 #
 #   bash bench/gpu.sh            # from anywhere; needs torch with CUDA and triton
-#   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests
+#   QUICK=1 bash bench/gpu.sh    # no torch.compile column, subsampling rows or cuda tests (unless STEPS names them)
 #   STEPS="heads heads-variants check" bash bench/gpu.sh   # only the named steps (the names below)
 #   BUDGET=1500 bash bench/gpu.sh                          # a longer run: every step
 #
@@ -75,10 +75,11 @@ step() {  # step <seconds> <log name> <command...>
 # The C++ extension first, on every core: bst_fast imports it (the pair sampler and the CPU
 # engine), so no step runs without it. Incremental: quick where it is built already.
 echo "== $name: build"
+build_start=$SECONDS  # after the CUDA probe above: its time is not the build's
 MAX_JOBS=$(nproc) timeout -k 10 200 python3 setup.py build_ext --inplace > "$out/$name-build.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] || { echo "!! build failed (see $out/$name-build.txt)"; tail -20 "$out/$name-build.txt"; status=1; }
-printf 'build\t%s\t%s\t200\t0\n' "$rc" "$SECONDS" >> "$steps_tsv"
+printf 'build\t%s\t%s\t200\t%s\n' "$rc" "$((SECONDS - build_start))" "$build_start" >> "$steps_tsv"
 git rev-parse HEAD > "$out/$name-commit.txt" 2>/dev/null || true  # what ran (a copy of the tree: may be absent)
 nvidia-smi > "$out/$name-nvidia-smi.txt" 2>&1 || true
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
@@ -154,7 +155,7 @@ step 60 heads-512mb env BST_FAST_TORCH_CHUNK_MB=512 python3 bench/pairs.py --dev
     --d-model 512 --vocab 1000 --head swiglu --backends torch --no-compile --subsample-T 0 --reps 5 --out "$out/$name-heads-512mb.json"
 # where the SwiGLU head's time goes, in a training step at the shape (the torch backend)
 step 90 profile-swiglu python3 bench/profile.py --device cuda --head swiglu --batch 32 --T 256 --d-model 512 \
-    --enc-layers 4 --steps 2 --out "$out"
+    --enc-layers 4 --steps 2 --out "$out/profiles"
 # the SwiGLU head through the torch backend's variants side by side: the fused swiglu part (the
 # default) against gate and up summed apart (the code before it), and the per-pair tail under
 # torch.compile (used only where measured faster; its first run compiles, untimed)
@@ -163,14 +164,16 @@ step 240 heads-variants python3 bench/pairs.py --device cuda --dtype bfloat16 --
     --out "$out/$name-heads-variants.json"
 step 120 pairs-a $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --out "$out/$name-pairs-a.json"
 step 60 pairs-b $P --batch 256 --T 64 --d-model 768 --hidden 768 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-b.json"
-step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 --out "$out"
+# (its report in profiles/: <card>-profile.txt in $out is this step's log, which tee writes as it goes)
+step 120 profile python3 bench/profile.py --device cuda --batch 256 --T 256 --d-model 768 --hidden 768 --head-layers 2 \
+    --out "$out/profiles"
 step 60 pairs-d $P --batch 8 --T 256 --d-model 512 --hidden 512 --layers 2 --vocab 32000 --no-compile --out "$out/$name-pairs-d.json"
 step 60 pairs-long $P --batch 4 --T 1024 --d-model 512 --hidden 512 --layers 2 --vocab 1000 --no-compile --out "$out/$name-pairs-long.json"
 step 60 pairs-c $P --batch 32 --T 256 --d-model 512 --hidden 512 --layers 3 --vocab 1000 --no-compile --out "$out/$name-pairs-c.json"
-if [ "$quick" != 1 ]; then
+if [ "$quick" != 1 ] || [ -n "${STEPS:-}" ]; then  # QUICK leaves them out unless STEPS names them
     step 90 subsample python3 bench/pairs.py --device cuda --dtype bfloat16 --no-compile --reps 7 --batch 32 --T 256 \
         --d-model 512 --hidden 512 --vocab 1000 --subsample-T 256 --mem-limit-gb 0 --out "$out/$name-subsample.json"
-    step 150 tests python3 -m pytest -m cuda -q tests/test_triton.py tests/test_belief_state_loss.py tests/test_heads.py
+    step 150 tests python3 -m pytest -p no:xdist -m cuda -q tests  # every cuda-marked test (the README's GPU block too)
 fi
 [ -n "$skipped" ] && echo "skipped for the ${budget}s budget:$skipped (run them with STEPS=... or a larger BUDGET)"
 echo "bench/gpu.sh: ${SECONDS}s"

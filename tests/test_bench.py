@@ -65,6 +65,29 @@ def test_gpu_sh_archive_says_how_each_step_ended(tmp_path):
     assert lce_log.splitlines()[-1].startswith("## lce: exit 3 after ")
 
 
+def test_gpu_sh_times_its_build_alone_runs_named_quick_steps_and_keeps_profiles_apart(tmp_path):
+    """Review helper-96: the build's row counted the CUDA probe's time; QUICK=1 with STEPS="tests"
+    ran nothing and said nothing; the profile steps' report and gpu.sh's log of them were one file,
+    written by both (spliced)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text("#!/bin/bash\n"
+                    "case \"$1\" in -c) sleep 3; echo NVIDIA-H200; exit 0;; setup.py) exit 0;; esac\n"
+                    "echo ran \"$@\"; exit 0\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RESULTS_DIR": str(tmp_path / "r"), "STEPS": "tests", "QUICK": "1"}
+    run = subprocess.run(["bash", str(GPU_SH)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {r.split("\t")[0]: r.split("\t")[1:] for r in (tmp_path / "r" / "NVIDIA-H200-steps.tsv").read_text().splitlines()}
+    assert int(rows["build"][1]) < 3 <= int(rows["build"][3])  # seconds, then the time it started
+    assert rows["tests"][0] == "0" and "-m cuda -q tests" in (tmp_path / "r" / "NVIDIA-H200-tests.txt").read_text()
+    text = GPU_SH.read_text()
+    for step in ("profile", "profile-swiglu"):
+        command = re.search(rf"^step \d+ {step} (.+?)\n(?!\s)", text, flags=re.M | re.S).group(1)
+        assert '--out "$out/profiles"' in command, command
+
+
 def test_pairs_bench_memory_counts_what_the_warm_up_left(monkeypatch):
     """timed()'s growth counts the measured run's gradients although the warm-up's were alike: the
     reset frees them before the baseline (before stop 37 the growth left them out)."""
