@@ -203,9 +203,10 @@ def make_head(kind, args, layers, V):
         head = ResidualSwiGLUHead(m, V, hidden=args.swiglu_hidden)
         # [f;b], gate_up, silu(gate), silu*up, Down, the residual sum and the norm, all saved
         return head, m, head.hidden * 2 * m + m * 2 * V, itemsize * (8 * m + 4 * head.hidden)
-    # [f;b], and each hidden layer's input and activation
+    # [f;b], and each hidden layer's input and activation; per pair, the hidden layers' h x h GEMMs
+    # and the output layer's (the first layer is per position: A_i + B_j)
     head = TextHead(m, V, hidden=h, n_layers=layers, activation="gelu")
-    return head, h, h * 2 * V, itemsize * (2 * m + 2 * h * (layers - 1))
+    return head, h, h * h * max(layers - 2, 0) + h * 2 * V, itemsize * (2 * m + 2 * h * (layers - 1))
 
 
 def backends_for(args, kind, head, f):
@@ -249,6 +250,8 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         f.grad = b.grad = None
         head.zero_grad(set_to_none=True)
 
+    grads = {}  # method: the gradients its last timed run left (f, b, every head parameter), on the host
+
     def record(method, fn, reps, pairs=n_pairs):
         # No gradients held from the case before, nor from the warm-up: the peak of each counts its
         # own gradients (until stop 37 those of the warm-up were held under the baseline and left out).
@@ -259,6 +262,8 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
             gc.collect()
             torch.cuda.empty_cache()
             return note(method, "out of memory")
+        if f.grad is not None and pairs == n_pairs:  # a forward + backward of all pairs: cross-checked below
+            grads[method] = [t.detach().float().cpu() for t in (f.grad, b.grad, *(p.grad for p in head.parameters()))]
         rows.append(dict(method=method, head=kind, T=T, B=B, layers=layers, V=V, h=h, m=m, dtype=args.dtype,
                          pairs=pairs, reps=reps, seconds=sec, pairs_per_s=pairs / sec,
                          gflops=6 * pairs * macs / sec / 1e9, peak_mem_mb=mem / 2**20))
@@ -369,7 +374,30 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
         note("official+liger", "not applicable: needs liger-kernel (pip install .[bench]) and a TextHead")
     else:
         record("official+liger", peer(official), reps)
+    check_gradients(rows, grads, "materialised" if "materialised" in grads else first, dtype)
     return rows
+
+
+# A contender's gradients (of f, b and every head parameter, each as ||g - g_ref|| / ||g_ref||) may
+# differ from the yardstick's, both in the run's dtype, by this much: rounding, where a contender
+# that reads other labels, one half of the loss or some of the pairs is off by tens of percent. The
+# losses alone could not tell (at initialisation every pair's loss is about log V: helper-97 found
+# a baseline of the Next half only 1.3e-3 off in bf16, within the loss check's 3e-2).
+GRAD_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def check_gradients(rows, grads, yardstick, dtype):
+    """Each timed contender's gradients against the yardstick's (the materialised objective, or
+    where it did not fit the first backend, held to it by the tests): the worst relative error in
+    its row (`grad_rel_err`, `grad_checked_against`), and `check: "FAIL"` past GRAD_TOLERANCE."""
+    want = grads.get(yardstick)
+    for r in rows:
+        got = grads.get(r["method"]) if "seconds" in r else None
+        if want is None or got is None or r["method"] == yardstick:
+            continue
+        err = max(((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
+        r.update(grad_rel_err=err, grad_checked_against=yardstick, check="ok" if err <= GRAD_TOLERANCE[dtype] else "FAIL")
+        print(f"  {r['method']:<16} gradients against {yardstick}: rel err {err:.2e} {r['check']}", flush=True)
 
 
 def plot(rows, path, title):
@@ -506,6 +534,9 @@ def main(argv=None):
     out.write_text(json.dumps(dict(meta=meta, mm_gflops=rates, rows=rows, summary=summary), indent=1))
     plotted = plot(rows, out.with_suffix(".png"), f"{name}, B={args.batch}, m={args.d_model}, h={args.hidden}, {args.dtype}")
     print(f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
+    failed = [f"{r['method']} (T={r['T']}, {r['head']})" for r in rows if r.get("check") == "FAIL"]
+    if failed:  # the figures are written, but a contender that computes something else is no baseline
+        raise SystemExit("gradients off the objective's: " + ", ".join(failed))
 
 
 if __name__ == "__main__":

@@ -108,6 +108,45 @@ def test_pairs_bench_memory_counts_what_the_warm_up_left(monkeypatch):
     assert counted > 150 * 2**20 > 50 * 2**20 > kept
 
 
+def test_pairs_bench_counts_a_deeper_heads_hidden_gemms(monkeypatch):
+    """GFLOP/s counted h x 2V a pair whatever the depth: a 3-layer head's rate read 1.26x low (helper-97)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("_bench_pairs_flops", ROOT / "bench" / "pairs.py")
+    pairs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, pairs)
+    spec.loader.exec_module(pairs)
+    args = SimpleNamespace(d_model=8, hidden=16, dtype="float32", swiglu_hidden=None)
+    assert [pairs.make_head("mlp", args, layers, 11)[2] for layers in (2, 3, 4)] == [16 * 22, 16 * 16 + 16 * 22,
+                                                                                     2 * 16 * 16 + 16 * 22]
+
+
+def test_pairs_bench_fails_a_peer_whose_gradients_are_not_the_objectives(tmp_path, monkeypatch):
+    """A lean naive reading the Prev labels one position off passed the loss check (bf16: 3e-2; at
+    initialisation every pair's loss is about log V) and was timed as a baseline (helper-97). Its
+    gradients are now checked against the materialised objective's, and the run fails naming it;
+    the real peers pass."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_pairs_check", ROOT / "bench" / "pairs.py")
+    pairs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, pairs)
+    spec.loader.exec_module(pairs)
+    argv = ["--T", "12", "--batch", "2", "--d-model", "8", "--hidden", "8", "--vocab", "11", "--reps", "1",
+            "--no-compile", "--dtype", "bfloat16", "--subsample-T", "0", "--backends", "cpp", "torch"]
+    pairs.main(argv + ["--out", str(tmp_path / "good.json")])
+    rows = [r for r in json.loads((tmp_path / "good.json").read_text())["rows"] if "grad_rel_err" in r]
+    assert {r["method"] for r in rows} == {"cpp", "torch", "lean naive"}
+    assert all(r["check"] == "ok" and r["grad_checked_against"] == "materialised" for r in rows)
+    real = pairs.lean
+    monkeypatch.setattr(pairs, "lean", lambda f, b, tokens, head, i, j, V: real(f, b, tokens.roll(1, 1), head, i, j, V))
+    with pytest.raises(SystemExit, match=r"gradients off the objective's: lean naive \(T=12, mlp\)"):
+        pairs.main(argv + ["--out", str(tmp_path / "bad.json")])
+    bad = {r["method"]: r for r in json.loads((tmp_path / "bad.json").read_text())["rows"]}
+    assert bad["lean naive"]["check"] == "FAIL" and bad["lean naive"]["grad_rel_err"] > 0.2
+
+
 def test_pairs_bench_runs_every_cpu_backend_for_both_heads(tmp_path):
     out = tmp_path / "new" / "folder" / "r.json"  # a folder that does not exist yet
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "pairs.py"), "--T", "6", "--batch", "2",
