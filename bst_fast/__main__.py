@@ -369,11 +369,12 @@ def _prog() -> str:
 
 def main(argv=None):
 
+    # no abbreviations (every command's parser too): `--o` was `--overwrite`, which deletes a run's files
     ap = argparse.ArgumentParser(prog=_prog(), description="Belief State Transformer training: "
-                                 "the Python API is bst_fast.train(config, **overrides)")
+                                 "the Python API is bst_fast.train(config, **overrides)", allow_abbrev=False)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "train one model"), ("star", "star-graph reproduction: BST vs forward-only")):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, allow_abbrev=False, help=helptext)
         default = str(CONFIGS / "star_cpu.yaml") if name == "star" else None
         p.add_argument("--config", default=default, help=CONFIG_HELP +
                        (f" (default {default})" if default else ""))
@@ -384,14 +385,14 @@ def main(argv=None):
             p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds another run")
         if name == "star":
             p.add_argument("--methods", nargs="+", default=["bst", "forward"], choices=["bst", "forward"])
-    p = sub.add_parser("table", help="star graphs: train every baseline and BST ablation, print path accuracy")
+    p = sub.add_parser("table", allow_abbrev=False, help="star graphs: train every baseline and BST ablation, print path accuracy")
     p.add_argument("--config", default=str(CONFIGS / "star_cpu.yaml"),
                    help=CONFIG_HELP + f" (default {CONFIGS / 'star_cpu.yaml'})")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help=_RESUME_EACH)
     p.add_argument("--out", help="also write the table to this file")
     p.add_argument("--note", help="a line written above the table in --out")
-    p = sub.add_parser("generate", help="decode from a checkpoint: greedy/sample, planning (Algorithm 1), beam search")
+    p = sub.add_parser("generate", allow_abbrev=False, help="decode from a checkpoint: greedy/sample, planning (Algorithm 1), beam search")
     p.add_argument("--checkpoint", required=True, help="a checkpoint folder or a run folder (its latest checkpoint)")
     p.add_argument("--prefix", required=True, help="text (star graphs: '3 7 | 7 2 | 3 5 | 5 1 / 3 2 =')")
     p.add_argument("--suffix", help="the goal: planning / beam search write toward it")
@@ -404,12 +405,12 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, help="--search sample (default 1)")
     p.add_argument("--top-k", type=int, help="--search sample: keep the k most likely tokens")
     p.add_argument("--seed", type=int, help="--search sample (default 0)")
-    p = sub.add_parser("probe", help="belief-state probes of star-graph checkpoints: accuracy per k")
+    p = sub.add_parser("probe", allow_abbrev=False, help="belief-state probes of star-graph checkpoints: accuracy per k")
     p.add_argument("--checkpoint", action="append", required=True, help="repeat for several models")
     p.add_argument("--n-train", type=_positive, default=2000, help="probe training graphs")
     p.add_argument("--n-test", type=_positive, default=500, help="probe test graphs")
     p.add_argument("--steps", type=_positive, default=300, help="probe optimizer steps")
-    p = sub.add_parser("tokenize", help="tokenise a text corpus once into a prepared corpus (memory-mapped ids, "
+    p = sub.add_parser("tokenize", allow_abbrev=False, help="tokenise a text corpus once into a prepared corpus (memory-mapped ids, "
                        "its tokenizer, a manifest) that `--set data=DIR` trains from",
                        description="Tokenise the documents of DATA (.txt files or folders, documents split at blank "
                        "lines, as training reads them) into DIR: tokens.bin, offsets.bin, tokenizer.json, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
 import json
 import math
@@ -123,14 +124,9 @@ class TrainConfig:
         (`model.n_layer`), as `apply_overrides` takes them: a file, a dict config and `--set` alike.
         One field given both ways (`model: {n_layer: 4}` and `model.n_layer: 2`) is refused: which
         one won depended on the keys' order."""
-        if isinstance(d, Mapping):
-            for key in d:
-                parent, _, leaf = key.partition(".") if isinstance(key, str) else ("", "", "")
-                whole = d.get(parent)  # a mapping names some fields, a whole ModelConfig every one
-                if leaf and "." not in leaf and (isinstance(whole, Mapping) and leaf in whole
-                                                 or dataclasses.is_dataclass(whole) and not isinstance(whole, type)):
-                    raise ValueError(f"config field {short(key)} is given twice: as {key!r} and in "
-                                     f"{parent!r}; give it once")
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a config is a mapping of fields, got {type(d).__name__}")
+        _given_once(d)
         return apply_overrides(TrainConfig(), d)
 
     @classmethod
@@ -148,8 +144,8 @@ class TrainConfig:
             d = load_yaml(text) if yaml_file else load_json(text)
         except Exception as e:  # yaml's and json's parse errors alike
             raise ValueError(f"config {path} is not valid {'YAML' if yaml_file else 'JSON'}: {short(str(e), 500)}") from None
-        if d is None:
-            d = {}
+        if d is None:  # an empty (or cut) file trained the whole default config, silently
+            raise ValueError(f"config {path} holds no fields: give them, or no config for the defaults")
         if not isinstance(d, dict):
             raise ValueError(f"config {path} must hold a mapping of fields, got {type(d).__name__}")
         return cls.from_dict(d)
@@ -290,6 +286,26 @@ class TrainConfig:
         return self
 
 
+def _given_once(d: Mapping) -> None:
+    """Refuse a nested field given both as a dotted key and in its parent's mapping (or a whole
+    ModelConfig): which one won depended on the keys' order."""
+    for key in d:
+        parent, _, leaf = key.partition(".") if isinstance(key, str) else ("", "", "")
+        whole = d.get(parent)  # a mapping names some fields, a whole ModelConfig every one
+        if leaf and "." not in leaf and (isinstance(whole, Mapping) and leaf in whole
+                                         or dataclasses.is_dataclass(whole) and not isinstance(whole, type)):
+            raise ValueError(f"config field {short(key)} is given twice: as {key!r} and in {parent!r}; give it once")
+
+
+def _as_float(name: str, value) -> float:
+    """float(value) of an int or float field's value, a ValueError naming the field where it is too
+    large for a float (float(10**400) raises OverflowError, which named nothing)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"config field {short(name)} must be a number a float holds, got {short(value)}") from None
+
+
 def _unknown_field(key: str, bad: str, known) -> ValueError:
     """The error for an unknown config field: it names the key as given, the closest known field
     (a nested config's field of that exact name first: `n_layer` is 'model.n_layer') and every
@@ -357,7 +373,7 @@ def _data_list(value, name: str) -> list:
         if isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)):
             weight = plain_number(entry[1])
             if isinstance(weight, (int, float)) and not isinstance(weight, bool):
-                out.append([os.fspath(entry[0]), float(weight)])
+                out.append([os.fspath(entry[0]), _as_float(name, weight)])
                 continue
         raise ValueError(f"config field {short(name)} must be a path, or a list of prepared corpora each a path or "
                          f"a [path, weight] pair; got the entry {short(entry)}")
@@ -401,10 +417,12 @@ def _from_dict(cls, d, prefix):
             if value is None:  # only a field whose default is None takes null
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got None")
             if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = float(value)  # an int, or a float subclass (np.float64), as the plain float
-            if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-                # the text as written is lost (0.10 was stored as '0.1', 2024.10 as '2024.1')
-                raise ValueError(f"config field {short(name)} must be str, got the number {short(value)} (quote it "
+                value = _as_float(name, value)  # an int, or a float subclass (np.float64), as the plain float
+            if want is str and isinstance(value, (int, float, datetime.date)) and not isinstance(value, bool):
+                # the text as written is lost (0.10 was stored as '0.1', 2024.10 as '2024.1'; YAML
+                # reads 2024-01-01 as a date)
+                what = "the date" if isinstance(value, datetime.date) else "the number"
+                raise ValueError(f"config field {short(name)} must be str, got {what} {short(value)} (quote it "
                                  f"in a YAML file to keep the name as written)")
             if not (isinstance(value, want) and not (want is not bool and isinstance(value, bool))):
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
@@ -419,7 +437,7 @@ def _from_dict(cls, d, prefix):
         elif key == "pairs" and value is not None:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"config field {short(name)} must be None or a fraction, got {short(value)}")
-            value = float(value)
+            value = _as_float(name, value)
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -566,12 +584,13 @@ def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
     elif isinstance(config, TrainConfig):
         cfg = copy.deepcopy(config)
     elif isinstance(config, Mapping):
-        cfg = apply_overrides(TrainConfig(), config)
+        cfg = TrainConfig.from_dict(config)  # a field given twice refused, as in a file
     elif isinstance(config, (str, os.PathLike)):
         cfg = TrainConfig.load(config)
     else:
         raise TypeError(f"config must be a TrainConfig, a dict of fields or the path of a YAML/JSON file, "
                         f"got {type(config).__name__}")
+    _given_once(overrides)  # model={...} and model.n_layer=... together
     return apply_overrides(cfg, overrides) if overrides else cfg
 
 
@@ -594,7 +613,8 @@ def _is_text_field(key: str) -> bool:
 def apply_sets(cfg: TrainConfig, sets: Iterable[str]) -> TrainConfig:
     """`cfg` with `--set key=value` overrides, values parsed as YAML (so 6, 3e-4, true, null, [1, 2]
     work), except that a string field takes the text as written ('#', '~' and 'null' included;
-    quotes are removed) and an integer is decimal (010 is 10); then the rules of `apply_overrides`.
+    quotes are removed, and a double-quoted value's YAML escapes such as \t read) and an integer is
+    decimal (010 is 10); then the rules of `apply_overrides`.
     A field named twice takes the last value."""
     import yaml
 
@@ -608,7 +628,10 @@ def apply_sets(cfg: TrainConfig, sets: Iterable[str]) -> TrainConfig:
         if _is_text_field(key) and not quoted:
             parsed = text  # as written: YAML would cut "runs/exp #2" at the '#', or read '~' as null
         elif re.fullmatch(r"[+-]?[0-9]+", text):
-            parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
+            try:
+                parsed = int(text, 10)  # decimal: YAML 1.1 reads 010 as octal 8
+            except ValueError:  # over Python's 4300 digits: its message named neither --set nor the field
+                raise ValueError(f"--set {short(key)}: the number {short(text)} has too many digits") from None
         elif text in ("none", "None"):
             parsed = None  # Python's spelling, as the fields' comments write it (YAML's is null or ~)
         else:

@@ -77,6 +77,9 @@ def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     """Trains the BST and the forward-only baseline on one config (each in out_dir/<method>) and
     prints their path accuracy side by side."""
     base = _series_base(base, "star")
+    if base.method != "bst":  # (the command line refuses --set method; a config's was dropped silently)
+        raise ValueError(f"config field 'method' is {base.method!r}: star trains each of its methods in turn (choose "
+                         f"them with --methods, methods=), so the config must leave it at 'bst'")
     if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
         raise ValueError(f"methods (star --methods) must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)

@@ -279,3 +279,59 @@ def test_a_whole_model_config_and_a_dotted_key_are_refused_in_either_order():
     for d in ({"model.n_layer": 2, "model": ModelConfig(n_layer=3)}, {"model": ModelConfig(n_layer=3), "model.n_layer": 2}):
         with pytest.raises(ValueError, match="config field 'model.n_layer' is given twice"):
             TrainConfig.from_dict(d)
+
+
+def test_a_dict_config_and_keyword_overrides_refuse_a_field_given_twice():
+    """train(dict) took {'model.n_layer': 2, 'model': {...}} last-wins, as from_dict refuses it (helper-99)."""
+    from bst_fast.model import ModelConfig
+
+    for config in ({"model.n_layer": 2, "model": {"n_layer": 4}}, {"model": {"n_layer": 4}, "model.n_layer": 2},
+                   {"model.n_layer": 2, "model": ModelConfig(n_layer=3)}):
+        with pytest.raises(ValueError, match="'model.n_layer' is given twice"):
+            resolve_config(config)
+    with pytest.raises(ValueError, match="'model.n_layer' is given twice"):
+        resolve_config(None, model={"n_layer": 4}, **{"model.n_layer": 2})
+    assert resolve_config({"model": {"n_layer": 4}, "model.d_model": 64}).model.n_layer == 4
+    with pytest.raises(ValueError, match="a config is a mapping of fields, got list"):
+        TrainConfig.from_dict([("steps", 1)])
+
+
+@pytest.mark.parametrize("field", ["lr", "pairs", "model.mlp_ratio"])
+def test_a_number_too_large_for_a_float_names_its_field(field):
+    with pytest.raises(ValueError, match=f"config field '{field}' must be a number a float holds"):
+        resolve_config(None, **{field: 10**400})
+    with pytest.raises(ValueError, match=f"config field '{field}' must be a number a float holds"):
+        apply_sets(TrainConfig(), [f"{field}={'1' * 400}"])
+    with pytest.raises(ValueError, match="config field 'data' must be a number a float holds"):
+        resolve_config(None, data=[["a", 10**400]])
+
+
+def test_a_set_integer_of_too_many_digits_names_the_field():
+    with pytest.raises(ValueError, match="--set 'steps': the number '1111.* has too many digits"):
+        apply_sets(TrainConfig(), ["steps=" + "1" * 5000])
+
+
+def test_an_empty_config_file_is_refused_and_a_yaml_date_is_told_to_be_quoted(tmp_path):
+    for name, text in (("e.yaml", ""), ("e2.yaml", "# nothing\n"), ("n.json", "null")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="holds no fields"):
+            TrainConfig.load(tmp_path / name)
+    with pytest.raises(ValueError, match=r"'out_dir' must be str, got the date datetime.date\(2024, 1, 1\) \(quote it"):
+        load(tmp_path, "out_dir: 2024-01-01\n")
+
+
+def test_the_command_line_takes_no_abbreviated_option(tmp_path, capsys):
+    """`--o` was `--overwrite`, which deletes a run's files (helper-99)."""
+    from bst_fast.__main__ import main
+
+    for argv in (["train", "--config", str(TINY), "--o"], ["star", "--m", "forward"], ["table", "--n", "x"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_star_refuses_a_config_of_another_method(tmp_path):
+    from bst_fast.experiments import star
+
+    with pytest.raises(ValueError, match="config field 'method' is 'fim': star trains each of its methods"):
+        star(resolve_config(TINY, method="fim", out_dir=str(tmp_path)))
