@@ -314,7 +314,17 @@ def _unknown_field(key: str, bad: str, known) -> ValueError:
     prefix = "".join(p + "." for p in parents)
     nested = [f"{p}.{leaf}" for p, f in known.items() if dataclasses.is_dataclass(field_default(f))
               and leaf in {g.name for g in fields(type(field_default(f)))}]
-    close = nested or [prefix + c for c in difflib.get_close_matches(leaf, list(known), n=1)]
+    # else the closest name one level down or up as well: n_layers is 'model.n_layer', dmodel
+    # 'model.d_model', model.steps 'steps'
+    pool = {prefix + c: c for c in known}
+    for p, f in known.items():
+        if dataclasses.is_dataclass(field_default(f)):
+            pool.update({f"{prefix}{p}.{g.name}": g.name for g in fields(type(field_default(f)))})
+    if prefix:
+        pool.update({g.name: g.name for g in fields(TrainConfig) if g.name not in pool.values()})
+    ratio = {name: difflib.SequenceMatcher(None, leaf, written).ratio() for name, written in pool.items()}
+    best = max(ratio, key=ratio.get) if ratio else None
+    close = nested or ([best] if best is not None and ratio[best] >= 0.6 else [])
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     where = f" of {prefix[:-1]!r}" if prefix else ""
     what = "" if key == bad else f": {short(bad)} is not a field"

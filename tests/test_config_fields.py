@@ -114,7 +114,10 @@ def test_text_vocab_is_bounded_as_the_bpe_trainer_is():
 
 
 @pytest.mark.parametrize("key, hint", [("n_layer", "model.n_layer"), ("d_model", "model.d_model"),
-                                       ("vocab_size", "model.vocab_size")])
+                                       ("vocab_size", "model.vocab_size"),
+                                       # a level down and up, misspelt (helper-99: none, or 'model')
+                                       ("n_layers", "model.n_layer"), ("dmodel", "model.d_model"),
+                                       ("model.steps", "steps"), ("model.lr", "lr")])
 def test_a_model_field_at_the_top_level_suggests_the_model_field(key, hint):
     """`n_layer: 2` suggested 'min_lr', `d_model` 'model', `vocab_size` 'batch_size'."""
     with pytest.raises(ValueError, match=f"'{key}' is unknown \\(did you mean '{hint}'\\?\\)"):
