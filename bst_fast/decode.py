@@ -432,8 +432,11 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
         # ties is its own): topk for the k-th value, then a stable sort of what reaches it alone (a
         # sort of all beams x V was 8x slower at V = 50257)
         k = min(beams, total.numel())
-        reach = (total >= total.topk(k).values[-1]).nonzero()[:, 0]  # ascending index
-        flat = reach[torch.sort(total[reach], descending=True, stable=True).indices[:k]]
+        if torch.isnan(total).any():  # (a broken model's NaN reaches no threshold: all sorted, NaN first)
+            flat = torch.sort(total, descending=True, stable=True).indices[:k]
+        else:
+            reach = (total >= total.topk(k).values[-1]).nonzero()[:, 0]  # ascending index
+            flat = reach[torch.sort(total[reach], descending=True, stable=True).indices[:k]]
         logp = total[flat]
         parent, token = flat // V, flat % V
         seqs = torch.cat([seqs[parent], token[:, None]], 1)

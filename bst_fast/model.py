@@ -54,7 +54,8 @@ class ModelConfig:
     attention: str = "sdpa"
     # recompute each encoder block's activations in the backward instead of keeping them: an encoder
     # keeps one (B, T, m) input a block, for about one more forward of the encoders a step (the
-    # numbers are the same in eager mode; docs/results.md, Training). A resume may change it.
+    # numbers are the same in eager mode; a block's pre-hooks and state run twice: docs/results.md,
+    # Training). A resume may change it.
     activation_checkpointing: bool = False
 
     def check(self, prefix: str = "model."):

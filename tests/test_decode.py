@@ -715,6 +715,15 @@ def test_beam_search_breaks_ties_by_index():
     assert seqs.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3]]
 
 
+def test_beam_search_keeps_its_beams_when_a_broken_model_scores_nan():
+    """NaN reaches no threshold: the tie-break's candidate set was empty (an IndexError, or no beam)."""
+    model = tiny_bst()
+    with torch.no_grad():
+        model.forward_encoder.ln.bias[0] = float("nan")
+    seqs, logp = decode.beam_search(model, [0, 1], 3, beams=3, eos_id=4)
+    assert seqs.shape == (3, 3) and torch.isnan(logp).all()
+
+
 def test_sample_refuses_a_generator_that_is_not_one():
     with pytest.raises(ValueError, match="generator must be a torch.Generator or None, got int"):
         decode.sample(tiny_bst(), [0, 1], 2, eos_id=4, generator=123)
