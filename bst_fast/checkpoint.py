@@ -10,6 +10,7 @@ error, never a silently wrong run.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import torch
 
 from ._checks import short
 from .config import EVALUATION_CHANGES, SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
-from .files import CORPUS, TOKENIZER, atomic_write, disk_full, fsync, sha256, sha256_written, start_writeback, temporary_name
+from .files import CORPUS, TOKENIZER, OUT_OF_ROOM, atomic_write, fsync, out_of_room, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
 BEST, BEST_JSON = "best", "best.json"  # the best checkpoint by the evaluation metric (keep_best)
@@ -155,9 +156,9 @@ def save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg: TrainConfig
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     except Exception as e:  # torch.save and safetensors report a short write as their own errors
-        full = disk_full(e) or _out_of_room(root, tmp)
+        room = out_of_room(e) or _room_left(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(root, step, e, full, final, committed)) from e
+        raise CheckpointWriteError(_write_failure(root, step, e, room, final, committed)) from e
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
@@ -214,24 +215,29 @@ def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 
         return None
 
 
-def _out_of_room(root: Path, tmp: Path) -> bool:
-    """Whether the disk under `root` is (nearly) full or a file in `tmp` reached the process's file
-    size limit (ulimit -f): the C++ writers of torch.save and safetensors lose the errno."""
+def _room_left(root: Path, tmp: Path) -> Optional[str]:
+    """OUT_OF_ROOM's text where the disk under `root` is (nearly) full or a file in `tmp` reached the
+    process's file-size limit (ulimit -f), else None: the C++ writers of torch.save and safetensors
+    lose the errno."""
     import resource
 
     try:
         if shutil.disk_usage(root).free <= 1 << 20:
-            return True
+            return OUT_OF_ROOM[errno.ENOSPC]
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        return limit != resource.RLIM_INFINITY and any(p.stat().st_size >= limit - (1 << 16) for p in tmp.iterdir())
+        if limit != resource.RLIM_INFINITY and any(p.stat().st_size >= limit - (1 << 16) for p in tmp.iterdir()):
+            return OUT_OF_ROOM[errno.EFBIG]
     except OSError:
-        return False
+        pass
+    return None
 
 
-def _write_failure(root: Path, step: int, error: BaseException, full: bool, final: Path, committed: bool) -> str:
+def _write_failure(root: Path, step: int, error: BaseException, room: Optional[str], final: Path,
+                   committed: bool) -> str:
     """The message of a failed save of `final` (checkpoints/step-N or checkpoints/best): what is
-    left to load. `committed`: the checkpoint was in place when the folder's fsync failed."""
-    cause = "the disk is full (no space left on device)" if full else f"{type(error).__name__}: {short(str(error), 300)}"
+    left to load. `room`: what ran out (out_of_room), if that was the cause. `committed`: the
+    checkpoint was in place when the folder's fsync failed."""
+    cause = room or f"{type(error).__name__}: {short(str(error), 300)}"
     if committed:
         return (f"the checkpoint of step {step}, {final}, is written and in place, but its folder {root} could not "
                 f"be synced to disk ({cause}): a crash now may lose it")

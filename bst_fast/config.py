@@ -96,7 +96,9 @@ class TrainConfig:
     # --- optimisation ---
     steps: int = 2000  # optimizer steps
     batch_size: int = 64  # global batch (split over DDP ranks)
-    grad_accum: int = 1  # micro-batches a rank's share is split into (their gradients add up to the batch's)
+    # micro-batches a rank's share is split into (their gradients add up to the batch's): batch_size must
+    # divide by the number of ranks times grad_accum; a resume may change it
+    grad_accum: int = 1
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # end of the cosine decay
     warmup: int = 100  # linear warmup steps, then the cosine to min_lr (a run shorter than this never reaches lr)
@@ -492,7 +494,10 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # the schedule's length, but extending a run is a deliberate choice).
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
 RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
-                     "progress", "device", "compile", "out_dir", "backend", "model.activation_checkpointing")
+                     "progress", "device", "compile", "out_dir", "backend", "model.activation_checkpointing",
+                     # the same batch in other micro-batches (a resume that runs out of memory): the same
+                     # numbers up to rounding, or with pairs < 1 or dropout another draw, as another number of ranks is
+                     "grad_accum")
 # Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
 # randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.
 SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every", "progress",

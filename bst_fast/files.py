@@ -12,7 +12,7 @@ import mmap
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
 # A text run's files, in its folder and in each checkpoint (named here, below both users: tasks
@@ -95,14 +95,20 @@ def sha256_written(path: Path) -> str:
             return hashlib.sha256(mapped).hexdigest()
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether `error` (or an error it was raised from) is a full disk or an exceeded file-size or
-    quota limit. torch.save reports a short write as a RuntimeError ("unexpected pos ..."), so the
-    chain is searched, not only the error itself."""
+# what ran out, by errno
+OUT_OF_ROOM = {errno.ENOSPC: "the disk is full (no space left on device)",
+               errno.EDQUOT: "the disk quota is exceeded",
+               errno.EFBIG: "a file reached the process's file-size limit (ulimit -f)"}
+
+
+def out_of_room(error: BaseException) -> Optional[str]:
+    """What ran out, where `error` (or an error it was raised from) is a full disk, an exceeded quota
+    or file-size limit (OUT_OF_ROOM's text), else None. torch.save reports a short write as a
+    RuntimeError ("unexpected pos ..."), so the chain is searched, not only the error itself."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return True
+        if isinstance(error, OSError) and error.errno in OUT_OF_ROOM:
+            return OUT_OF_ROOM[error.errno]
         error = error.__cause__ or error.__context__
-    return False
+    return None

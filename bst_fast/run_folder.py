@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 from ._checks import short
 from .checkpoint import BEST, OWN_TEMPORARY, checkpoint_step, latest_checkpoint, remove_stale
-from .files import atomic_write
+from .files import atomic_write, out_of_room
 
 MARKER, LOCK = ".bst_fast_run.json", ".bst_fast.lock"
 FORMAT = 1
@@ -492,12 +492,18 @@ class MetricsLog:
         if not self.enabled:
             return
         new = not self.path.exists()
-        with self.path.open("a", newline="") as fh:
-            w = csv.writer(fh, lineterminator="\n")  # as truncate writes the rows a resume keeps
-            if new:
-                w.writerow(["step", "key", "value"])
-            for k, v in row.items():
-                w.writerow([step, k, v])
+        try:
+            with self.path.open("a", newline="") as fh:
+                w = csv.writer(fh, lineterminator="\n")  # as truncate writes the rows a resume keeps
+                if new:
+                    w.writerow(["step", "key", "value"])
+                for k, v in row.items():
+                    w.writerow([step, k, v])
+        except OSError as e:  # named: a bare "[Errno 27] File too large" said neither file nor what to do
+            room = out_of_room(e)
+            raise type(e)(e.errno, f"could not write the metrics of step {step} to {self.path} "
+                                   f"({room or e.strerror}); a resume from the latest checkpoint cuts the file back "
+                                   f"to it and logs the later steps again") from e
         if self.tb is not None:
             for k, v in row.items():
                 self.tb.add_scalar(k, v, step)

@@ -201,6 +201,39 @@ def test_two_concurrent_runs_one_wins_and_its_folder_is_its_own(tmp_path):
 
 # ---- 5. a full disk, and a stale temporary folder
 
+def test_a_file_size_limit_is_named_as_such_and_a_failed_metrics_write_names_its_file(tmp_path, monkeypatch):
+    """ulimit -f was reported as a full disk, and a failed metrics.csv write as a bare "[Errno 27]
+    File too large" (review helper-100)."""
+    import csv
+
+    from bst_fast import run_folder
+
+    d = tmp_path / "f"
+    train(tiny(d), stop_at=3)
+    real = torch.save
+
+    def too_large(obj, f, *a, **k):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", too_large)
+    with pytest.raises(OSError, match=r"file-size limit \(ulimit -f\).*step-00000003 is intact"):
+        train(tiny(d), resume=True)
+    monkeypatch.setattr(ckpt_mod.torch, "save", real)
+
+    class Full:
+        def __init__(self, *a, **k):
+            pass
+
+        def writerow(self, row):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_folder.csv, "writer", Full)
+    with pytest.raises(OSError, match=r"could not write the metrics of step \d+ to .*metrics\.csv \(the disk is "
+                                      r"full.*a resume from the latest checkpoint cuts the file back"):
+        train(tiny(d), resume=True)
+    monkeypatch.setattr(run_folder.csv, "writer", csv.writer)
+
+
 def test_a_full_disk_is_reported_and_the_previous_checkpoint_kept(tmp_path, monkeypatch):
     d = tmp_path / "f"
     train(tiny(d), stop_at=3)

@@ -749,3 +749,15 @@ print("after cli", rc)  # not reached: a rank whose group cli ended leaves witho
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run.stdout.count("rank ended") == 2 and "after cli" not in run.stdout, run.stdout
     assert latest_checkpoint(tmp_path / "run").name == f"step-{TrainConfig.load(TINY).steps:08d}"
+
+
+def test_a_resume_may_change_grad_accum_and_gives_the_same_weights_up_to_rounding(tmp_path):
+    """A run out of memory is resumed with more micro-batches (review helper-100: refused as a changed
+    training field). All pairs and no dropout: the same weights, up to rounding."""
+    full = tiny(tmp_path / "full", ckpt_every=0)
+    train(full)
+    train(tiny(tmp_path / "cut", ckpt_every=0), stop_at=3)
+    train(tiny(tmp_path / "cut", ckpt_every=0, grad_accum=2), resume=True)
+    params = same_params(tmp_path / "full", tmp_path / "cut")
+    assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in params.values())
+    assert load_model(tmp_path / "cut")[1].grad_accum == 2
