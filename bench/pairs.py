@@ -386,21 +386,24 @@ def run_case(args, T, layers, V, compiled, kind="mlp"):
 
 
 # A contender's gradients (of f, b and every head parameter, each as ||g - g_ref|| / ||g_ref||) may
-# be off the float32 yardstick's by this much: the rounding of its dtype, where a contender that
-# reads other labels, one half of the loss or some of the pairs is off by 0.7 or more. 16-bit runs
-# get a wide margin: the materialised objective's bf16 gradient of f and b sums T terms into one
-# row, rounding after each (0.21 off at T = 1024), and float16's per-pair gradients underflow (0.44
-# at T = 256) -- rounding, not another objective (review helper-98). The losses alone could not
-# tell (at initialisation every pair's loss is about log V: helper-97 found a baseline of the Next
-# half only 1.3e-3 off in bf16, within the loss check's 3e-2).
-GRAD_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.5}
+# be off the float32 yardstick's by this much. The losses alone could not tell a wrong objective (at
+# initialisation every pair's loss is about log V: helper-97 found a baseline of the Next half only
+# 1.3e-3 off in bf16, within the loss check's 3e-2). In float32 every contender is held to 1e-3:
+# a wrong label, a half of the loss or a quarter of the pairs dropped is off by 0.25 or more. In 16
+# bits bst_fast's backends (float32 accumulation; up to 3e-2 off float64 in gpu_check's small
+# cases) are held to 0.1; the peers' own rounding has no bound (the materialised objective's bf16
+# gradient of f and b sums T terms into one row, rounding after each: 0.21 off at T = 1024;
+# float16's per-pair gradients underflow: 0.62 at T = 128, helpers 98 and 101), so in 16 bits their
+# error is reported, not judged: their objective is judged in a float32 run (the CPU bench, tests).
+GRAD_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+PEERS = ("materialised", "torch.compile", "lean naive", "lean naive+compile", "official+liger")
 YARDSTICK = "torch backend, float32"
 
 
 def check_gradients(rows, grads, dtype):
     """Each timed contender's gradients against the float32 yardstick's (grads[YARDSTICK]): the
     worst relative error in its row (`grad_rel_err`, `grad_checked_against`), and `check: "FAIL"`
-    past GRAD_TOLERANCE."""
+    past GRAD_TOLERANCE ("16-bit rounding: not judged" for a peer in 16 bits)."""
     yardstick = YARDSTICK
     want = grads.get(yardstick)
     for r in rows:
@@ -408,7 +411,9 @@ def check_gradients(rows, grads, dtype):
         if want is None or got is None:
             continue
         err = max(((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
-        r.update(grad_rel_err=err, grad_checked_against=yardstick, check="ok" if err <= GRAD_TOLERANCE[dtype] else "FAIL")
+        judged = dtype == torch.float32 or r["method"] not in PEERS
+        check = "16-bit rounding: not judged" if not judged else "ok" if err <= GRAD_TOLERANCE[dtype] else "FAIL"
+        r.update(grad_rel_err=err, grad_checked_against=yardstick, check=check)
         print(f"  {r['method']:<16} gradients against {yardstick}: rel err {err:.2e} {r['check']}", flush=True)
 
 
@@ -548,7 +553,7 @@ def main(argv=None):
     print(f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
     failed = [f"{r['method']} (T={r['T']}, {r['head']})" for r in rows if r.get("check") == "FAIL"]
     if failed:  # the figures are written, but a contender that computes something else is no baseline
-        raise SystemExit("gradients off the objective's: " + ", ".join(failed))
+        raise SystemExit(f"gradients off the {YARDSTICK} yardstick's: " + ", ".join(failed))
 
 
 if __name__ == "__main__":

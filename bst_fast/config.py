@@ -433,9 +433,9 @@ def _from_dict(cls, d, prefix):
             if want is str and isinstance(value, (int, float, datetime.date)) and not isinstance(value, bool):
                 # the text as written is lost (0.10 was stored as '0.1', 2024.10 as '2024.1'; YAML
                 # reads 2024-01-01 as a date)
-                what = "the date" if isinstance(value, datetime.date) else "the number"
-                raise ValueError(f"config field {short(name)} must be str, got {what} {short(value)} (quote it "
-                                 f"in a YAML file to keep the name as written)")
+                what = f"the date {value.isoformat()}" if isinstance(value, datetime.date) else f"the number {short(value)}"
+                raise ValueError(f"config field {short(name)} must be str, got {what} (quote it in a YAML file to keep "
+                                 f"the name as written)")
             if not (isinstance(value, want) and not (want is not bool and isinstance(value, bool))):
                 raise ValueError(f"config field {short(name)} must be {want.__name__}, got {short(value)}")
             if name in INT_BOUNDS:  # before ModelConfig's own checks, which blamed mlp_ratio for d_model

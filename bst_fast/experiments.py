@@ -79,7 +79,8 @@ def star(base: TrainConfig, methods=("bst", "forward"), resume: bool = False):
     base = _series_base(base, "star")
     if base.method != "bst":  # (the command line refuses --set method; a config's was dropped silently)
         raise ValueError(f"config field 'method' is {base.method!r}: star trains each of its methods in turn (choose "
-                         f"them with --methods, methods=), so the config must leave it at 'bst'")
+                         f"them with --methods, methods=), so the config must leave it at 'bst' (a config a "
+                         f"forward-only run saved: set its method to bst in the file, or leave the field out)")
     if len(set(methods)) != len(methods):  # a repeat would train into, and report, the same folder twice
         raise ValueError(f"methods (star --methods) must not repeat a method, got {list(methods)}")
     configs = []  # every method's config is checked before the first one trains (or prints)

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import mmap
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -110,5 +111,9 @@ def out_of_room(error: BaseException) -> Optional[str]:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in OUT_OF_ROOM:
             return OUT_OF_ROOM[error.errno]
+        # safetensors' writer gives only the text ("I/O error: File too large (os error 27)")
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code and int(code.group(1)) in OUT_OF_ROOM:
+            return OUT_OF_ROOM[int(code.group(1))]
         error = error.__cause__ or error.__context__
     return None

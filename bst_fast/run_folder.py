@@ -500,10 +500,9 @@ class MetricsLog:
                 for k, v in row.items():
                     w.writerow([step, k, v])
         except OSError as e:  # named: a bare "[Errno 27] File too large" said neither file nor what to do
-            room = out_of_room(e)
-            raise type(e)(e.errno, f"could not write the metrics of step {step} to {self.path} "
-                                   f"({room or e.strerror}); a resume from the latest checkpoint cuts the file back "
-                                   f"to it and logs the later steps again") from e
+            text = (f"could not write the metrics of step {step} to {self.path} ({out_of_room(e) or e.strerror or e}); "
+                    f"a resume from the latest checkpoint cuts the file back to it and logs the later steps again")
+            raise (type(e)(e.errno, text) if e.errno is not None else OSError(text)) from e
         if self.tb is not None:
             for k, v in row.items():
                 self.tb.add_scalar(k, v, step)

@@ -123,10 +123,9 @@ def test_pairs_bench_counts_a_deeper_heads_hidden_gemms(monkeypatch):
 
 
 def test_pairs_bench_fails_a_peer_whose_gradients_are_not_the_objectives(tmp_path, monkeypatch):
-    """A lean naive reading its labels one position off passed the loss check (bf16: 3e-2; at
-    initialisation every pair's loss is about log V) and was timed as a baseline (helper-97). Every
-    contender's gradients are now checked against the torch backend's in float32, and the run fails
-    naming it; the real contenders pass."""
+    """A wrong baseline passed the loss-only check (helper-97: at initialisation every pair's loss is
+    about log V). Every contender's gradients are now checked against the torch backend's in
+    float32, and the run fails naming it; the real contenders pass."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_bench_pairs_check", ROOT / "bench" / "pairs.py")
@@ -134,14 +133,18 @@ def test_pairs_bench_fails_a_peer_whose_gradients_are_not_the_objectives(tmp_pat
     monkeypatch.setitem(sys.modules, spec.name, pairs)
     spec.loader.exec_module(pairs)
     argv = ["--T", "12", "--batch", "2", "--d-model", "8", "--hidden", "8", "--vocab", "11", "--reps", "1",
-            "--no-compile", "--dtype", "bfloat16", "--subsample-T", "0", "--backends", "cpp", "torch"]
+            "--no-compile", "--subsample-T", "0", "--backends", "cpp", "torch"]
     pairs.main(argv + ["--out", str(tmp_path / "good.json")])
     rows = [r for r in json.loads((tmp_path / "good.json").read_text())["rows"] if "grad_rel_err" in r]
     assert {r["method"] for r in rows} == {"cpp", "torch", "materialised", "lean naive"}
     assert all(r["check"] == "ok" and r["grad_checked_against"] == "torch backend, float32" for r in rows)
     real = pairs.lean
-    monkeypatch.setattr(pairs, "lean", lambda f, b, tokens, head, i, j, V: real(f, b, tokens.roll(1, 1), head, i, j, V))
-    with pytest.raises(SystemExit, match=r"gradients off the objective's: lean naive \(T=12, mlp\)"):
+
+    def half(*args):  # the loss, but half its gradient: no loss check can see it
+        loss = real(*args)
+        return 0.5 * loss + 0.5 * loss.detach()
+    monkeypatch.setattr(pairs, "lean", half)
+    with pytest.raises(SystemExit, match=r"gradients off the torch backend, float32 yardstick's: lean naive \(T=12, mlp\)"):
         pairs.main(argv + ["--out", str(tmp_path / "bad.json")])
     bad = {r["method"]: r for r in json.loads((tmp_path / "bad.json").read_text())["rows"]}
     assert bad["lean naive"]["check"] == "FAIL" and bad["materialised"]["check"] == "ok"

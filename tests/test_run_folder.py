@@ -231,7 +231,19 @@ def test_a_file_size_limit_is_named_as_such_and_a_failed_metrics_write_names_its
     with pytest.raises(OSError, match=r"could not write the metrics of step \d+ to .*metrics\.csv \(the disk is "
                                       r"full.*a resume from the latest checkpoint cuts the file back"):
         train(tiny(d), resume=True)
+    Full.writerow = lambda self, row: (_ for _ in ()).throw(OSError("disk gone"))  # no errno (helper-101)
+    with pytest.raises(OSError, match=r"^could not write the metrics of step \d+ to .*metrics\.csv \(disk gone\)"):
+        train(tiny(d), resume=True)
     monkeypatch.setattr(run_folder.csv, "writer", csv.writer)
+    # safetensors' writer gives the errno in its text only (helper-101: a ulimit -f on model.safetensors)
+    from bst_fast.files import out_of_room
+
+    class SafetensorError(Exception):
+        pass
+    assert out_of_room(SafetensorError("Error while serializing: I/O error: File too large (os error 27)")) == \
+        "a file reached the process's file-size limit (ulimit -f)"
+    assert out_of_room(SafetensorError("I/O error: No space left on device (os error 28)")).startswith("the disk is full")
+    assert out_of_room(SafetensorError("I/O error: Permission denied (os error 13)")) is None
 
 
 def test_a_full_disk_is_reported_and_the_previous_checkpoint_kept(tmp_path, monkeypatch):
