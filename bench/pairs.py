@@ -404,8 +404,7 @@ def check_gradients(rows, grads, dtype):
     """Each timed contender's gradients against the float32 yardstick's (grads[YARDSTICK]): the
     worst relative error in its row (`grad_rel_err`, `grad_checked_against`), and `check: "FAIL"`
     past GRAD_TOLERANCE ("16-bit rounding: not judged" for a peer in 16 bits)."""
-    yardstick = YARDSTICK
-    want = grads.get(yardstick)
+    want = grads.get(YARDSTICK)
     for r in rows:
         got = grads.get(r["method"]) if "seconds" in r else None
         if want is None or got is None:
@@ -413,8 +412,8 @@ def check_gradients(rows, grads, dtype):
         err = max(((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
         judged = dtype == torch.float32 or r["method"] not in PEERS
         check = "16-bit rounding: not judged" if not judged else "ok" if err <= GRAD_TOLERANCE[dtype] else "FAIL"
-        r.update(grad_rel_err=err, grad_checked_against=yardstick, check=check)
-        print(f"  {r['method']:<16} gradients against {yardstick}: rel err {err:.2e} {r['check']}", flush=True)
+        r.update(grad_rel_err=err, grad_checked_against=YARDSTICK, check=check)
+        print(f"  {r['method']:<16} gradients against {YARDSTICK}: rel err {err:.2e} {check}", flush=True)
 
 
 def plot(rows, path, title):

@@ -638,7 +638,7 @@ def main(argv=None) -> int:
     if len({n for n, _, _ in variants}) < len(variants):
         ap.error("--variant: two variants have one name")
     base = base_config(shape, a.device, warmup + steps + 1 + a.profile_steps)
-    try:  # every column's config first, and its variants': a bad --set fails before anything runs
+    try:  # every column's config first (then its variants'): a bad --set fails before anything runs
         configs = [column_config(c, base, a.sets) for c in columns]
     except ValueError as e:
         ap.error(str(e))
@@ -692,9 +692,9 @@ def main(argv=None) -> int:
         # (the GPT column has no pair loss), and of the subsample's switches alone, the subsampled ones
         applies = [(n, c, sets) for n, c, sets in variants if (column.slug, n) in variant_configs
                    or not sets and column.slug != "gpt" and not (cfg.pairs is None and set(c) <= SUBSAMPLE_SWITCHES)]
-        for variant, changes, sets in [(None, {}, [])] + applies:
+        for variant, changes, _ in [(None, {}, [])] + applies:
             with runtime.switched(**changes):
-                results.append(run_column(column, variant_configs[column.slug, variant] if sets else cfg, task,
+                results.append(run_column(column, variant_configs.get((column.slug, variant), cfg), task,
                                           a.device, steps, warmup, trace_dir, a.profile_steps, variant, a.nvtx))
             r = results[-1]
             if not r["error"]:

@@ -605,7 +605,7 @@ def resolve_config(config: ConfigLike = None, **overrides: Any) -> TrainConfig:
     else:
         raise TypeError(f"config must be a TrainConfig, a dict of fields or the path of a YAML/JSON file, "
                         f"got {type(config).__name__}")
-    _given_once(overrides)  # model={...} and model.n_layer=... together
+    _given_once(overrides)  # model={...} and model.n_layer=... together (apply_overrides takes them in order)
     return apply_overrides(cfg, overrides) if overrides else cfg
 
 

@@ -430,13 +430,11 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
         V = logits.shape[-1]
         # ties by the lower (beam, token) index, as sample and plan break theirs (topk's order among
         # ties is its own): topk for the k-th value, then a stable sort of what reaches it alone (a
-        # sort of all beams x V was 8x slower at V = 50257)
+        # sort of all beams x V was 8x slower at V = 50257). A broken model's NaN, which the sort
+        # puts first, reaches any threshold here (a NaN k-th value none).
         k = min(beams, total.numel())
-        if torch.isnan(total).any():  # (a broken model's NaN reaches no threshold: all sorted, NaN first)
-            flat = torch.sort(total, descending=True, stable=True).indices[:k]
-        else:
-            reach = (total >= total.topk(k).values[-1]).nonzero()[:, 0]  # ascending index
-            flat = reach[torch.sort(total[reach], descending=True, stable=True).indices[:k]]
+        reach = ((total >= total.topk(k).values[-1]) | total.isnan()).nonzero()[:, 0]  # ascending index
+        flat = reach[torch.sort(total[reach], descending=True, stable=True).indices[:k]]
         logp = total[flat]
         parent, token = flat // V, flat % V
         seqs = torch.cat([seqs[parent], token[:, None]], 1)
