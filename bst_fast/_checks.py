@@ -12,15 +12,26 @@ import operator
 MAX_VOCAB = 1 << 20
 
 
+class TokenIdError(IndexError, ValueError):
+    """A token id outside the model's vocabulary: an IndexError, as torch's embedding lookup raises
+    for one, and a ValueError, as every other bad value of an argument here is."""
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a TypeError by Python's convention, and a ValueError, as the
+    argument checks here raised (and callers caught) before the two were told apart."""
+
+
 def check_int(name: str, value, lowest: int) -> int:
     """`value` as an int >= lowest (numpy and 0-d torch integers too, never a bool or a float);
-    otherwise a ValueError naming the argument."""
+    otherwise an error naming the argument: ArgumentTypeError for another type, ValueError for an
+    int below `lowest`."""
     try:
         v = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         v = None
     if v is None or v < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest}, got {short(value)}")
+        raise (ArgumentTypeError if v is None else ValueError)(f"{name} must be an int >= {lowest}, got {short(value)}")
     return v
 
 

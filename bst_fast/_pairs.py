@@ -8,6 +8,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _ext  # noqa: F401  (the sampler op, bst_fast::sample_pairs)
+from ._checks import ArgumentTypeError, TokenIdError, check_int
 from ._device_sampler import sample_on_device
 
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
@@ -108,6 +109,9 @@ def separated_documents(tokens, separator: int):
     if not torch.is_tensor(tokens) or tokens.dim() != 2:
         _fail(ValueError, f"tokens must be a (B, L) tensor of ids, got "
                           f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+    if not id_dtype_ok(tokens.dtype):
+        _fail(ValueError, f"tokens must be an integer tensor ({ID_DTYPES}), got {tokens.dtype}")
+    separator = check_int("separator", separator, 0)  # a float 2.5 matched no id: one document a row, silently
     prefix_ids = torch.cumsum(tokens == separator, dim=1)
     suffix_ids = torch.cat([torch.zeros_like(prefix_ids[:, :1]), prefix_ids[:, :-1]], dim=1)
     return prefix_ids, suffix_ids
@@ -382,7 +386,8 @@ def _as_row_vector(x, name, B, device):
             _fail(ValueError, f"{name} must fit in int64, got {x}")
         return torch.full((B,), x, dtype=torch.int64, device=device)
     if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-        _fail(ValueError, f"{name} must be an int or a (B,) integer tensor, got {type(x).__name__}"
+        _fail(ValueError if torch.is_tensor(x) else ArgumentTypeError,
+              f"{name} must be an int or a (B,) integer tensor, got {type(x).__name__}"
               + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
     if tuple(x.shape) != (B,):
         _fail(ValueError, f"{name} must have shape ({B},), one value per row of the batch, got {tuple(x.shape)}")
@@ -418,7 +423,7 @@ def _raise_start(prefix_start, bad_start):
 
 def _raise_token(tokens, bad_tok, vocab_size):
     r, t = (int(x) for x in bad_tok.nonzero()[0])
-    _fail(IndexError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
+    _fail(TokenIdError, f"tokens must lie in [0, vocab_size={vocab_size}) at valid positions, got tokens[{r}, {t}] = {int(tokens[r, t])}")
 
 
 def raise_on_bad_tokens(tokens, bad_tok, vocab_size):
@@ -442,7 +447,7 @@ def check_f(f):
     """f is a floating-point (B, L, m) tensor: the first check of belief_state_loss (the head's
     checks read f's width and dtype) and of prepare."""
     if not torch.is_tensor(f) or f.dim() != 3:
-        _fail(ValueError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
+        _fail(ValueError if torch.is_tensor(f) else ArgumentTypeError, f"f must be a (B, L, m) tensor, got {tuple(f.shape) if torch.is_tensor(f) else type(f).__name__}")
     if not f.dtype.is_floating_point:
         _fail(ValueError, f"f must be floating point (float32, float16, bfloat16 or float64), got {f.dtype}")
 
@@ -463,7 +468,8 @@ def check_documents(documents, lengths, B, L, device, values: bool = True):
     downs = []
     for name, ids in zip(names, sides):
         if not torch.is_tensor(ids) or not id_dtype_ok(ids.dtype):
-            _fail(ValueError, f"{name} must be a (B, L) integer tensor ({ID_DTYPES}) of document ids, got "
+            _fail(ValueError if torch.is_tensor(ids) else ArgumentTypeError,
+                  f"{name} must be a (B, L) integer tensor ({ID_DTYPES}) of document ids, got "
                               + (f"{ids.dtype}" if torch.is_tensor(ids) else type(ids).__name__))
         if tuple(ids.shape) != (B, L):
             _fail(ValueError, f"{name} must have shape (B, L) = ({B}, {L}), the batch's, got {tuple(ids.shape)}")
@@ -518,20 +524,20 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     it to the op, which raises."""
     check_f(f)
     if not torch.is_tensor(b) or tuple(b.shape) != tuple(f.shape):
-        _fail(ValueError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
+        _fail(ValueError if torch.is_tensor(b) else ArgumentTypeError, f"b must have the shape of f {tuple(f.shape)}, got {tuple(b.shape) if torch.is_tensor(b) else type(b).__name__}")
     if b.dtype != f.dtype:
         _fail(ValueError, f"b must have the dtype of f ({f.dtype}), got {b.dtype}")
     if b.device != f.device:
         _fail(ValueError, f"b must be on the device of f ({f.device}), got {b.device}")
     B, L, _ = f.shape
     if not torch.is_tensor(tokens) or tuple(tokens.shape) != (B, L):
-        _fail(ValueError, f"tokens must have shape (B, L) = ({B}, {L}) to match f, got {tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
+        _fail(ValueError if torch.is_tensor(tokens) else ArgumentTypeError, f"tokens must have shape (B, L) = ({B}, {L}) to match f, got {tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
     if not id_dtype_ok(tokens.dtype):
         _fail(ValueError, f"tokens must be an integer tensor ({ID_DTYPES}), got {tokens.dtype}")
     if tokens.device != f.device:
         _fail(ValueError, f"tokens must be on the device of f ({f.device}), got {tokens.device}")
     if meet_token is not None and (not isinstance(meet_token, int) or isinstance(meet_token, bool)):
-        _fail(ValueError, f"meet_token must be None or an int token id, got {type(meet_token).__name__} {meet_token!r}")
+        _fail(ArgumentTypeError, f"meet_token must be None or an int token id, got {type(meet_token).__name__} {meet_token!r}")
     if meet_token is not None and not (0 <= meet_token and (vocab_size is None or meet_token < vocab_size)):
         _fail(ValueError, f"meet_token must lie in [0, vocab_size={vocab_size}), got {meet_token}")
     if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 1:
@@ -548,12 +554,12 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     if reduction not in REDUCTIONS:
         _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
-        _fail(ValueError, f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+        _fail(ArgumentTypeError, f"generator must be None or a torch.Generator, got {type(generator).__name__}")
     # with the other arguments, before any early return: a batch of short rows (no pair, a loss of 0
     # under "sum" and "row_mean") hid a bad fraction or count
     if pairs is not None and not isinstance(pairs, (tuple, list)):
         if isinstance(pairs, bool) or not isinstance(pairs, (int, float)):
-            _fail(ValueError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
+            _fail(ArgumentTypeError, f"pairs must be None, a float fraction in (0, 1], an int count per row or a (row, i, j) triple, got {type(pairs).__name__}")
         if isinstance(pairs, float) and not 0.0 < pairs <= 1.0:
             _fail(ValueError, f"pairs as a fraction must lie in (0, 1], got {pairs}")
         if isinstance(pairs, int) and pairs < 1:

@@ -23,8 +23,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._checks import short
+from ._checks import ArgumentTypeError, short
 from .config import EVALUATION_CHANGES, SAME_TRAJECTORY_CHANGES, TrainConfig, config_changes
+from .data.corpus_layout import is_prepared
 from .files import CORPUS, TOKENIZER, OUT_OF_ROOM, atomic_write, fsync, out_of_room, sha256, sha256_written, start_writeback, temporary_name
 
 CHECKSUMS = "checksums.json"
@@ -171,9 +172,14 @@ def resume_changes(then: dict, now: dict, allowed) -> dict:
     """config_changes(then, now, allowed) for a resume (the trainer's check of the checkpoint it
     continues from, best_so_far's of the best checkpoint): one rule for both. A text run's `data`
     may name its corpus by another path (a link, a moved folder): not compared here, the task
-    compares the corpus itself with the checkpoint's fingerprint (its data.json)."""
+    compares the corpus itself with the checkpoint's fingerprint (its data.json). `text_vocab` is
+    read only to train a BPE of raw text: a run whose tokenizer came with it (a `tokenizer` file,
+    a prepared corpus) never read it, so there it is no difference."""
     text = then.get("data") != "star" and now["data"] != "star"
-    return config_changes(then, now, tuple(allowed) + (("data",) if text else ()))
+    allowed = tuple(allowed) + (("data",) if text else ())
+    if text and (then.get("tokenizer") or not isinstance(now["data"], str) or is_prepared(now["data"])):
+        allowed += ("text_vocab",)
+    return config_changes(then, now, allowed)
 
 
 def best_so_far(out_dir, metric: str, step: int, cfg: TrainConfig, world: int = 1) -> Optional[float]:
@@ -453,11 +459,19 @@ def _check_optimizer_state(path: Path, optimizer):
                     raise ValueError(f"checkpoint {path} holds non-finite optimizer state ({name!r}): it is not used")
 
 
+class CheckpointNotFound(FileNotFoundError, ValueError):
+    """No file or folder at a checkpoint's path: a FileNotFoundError, as every other loader here
+    raises for a missing path, and a ValueError, as this one raised before."""
+
+
 def find_checkpoint(path) -> Path:
-    """A checkpoint folder, or a run folder's latest checkpoint; ValueError when it is neither."""
+    """A checkpoint folder, or a run folder's latest checkpoint; CheckpointNotFound where nothing is
+    at `path`, ValueError where it is neither."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"path must be a checkpoint or run folder (a str or a path), got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
+        raise CheckpointNotFound(f"checkpoint {path} does not exist")
     if (path / CONFIG).exists():
         return path
     found = latest_checkpoint(path)
@@ -468,9 +482,16 @@ def find_checkpoint(path) -> Path:
 
 def load_model(path, device="cpu"):
     """(model, TrainConfig) from a checkpoint folder (or a run folder, taking its latest checkpoint),
-    its checksums and weights checked; the model in eval mode (dropout off), to decode or evaluate."""
+    its checksums and weights checked; the model in eval mode (dropout off), to decode or evaluate.
+    device: a torch device, or "auto" (CUDA where torch sees it, as the config's `device` takes it)."""
     from .tasks import build_model
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto' or a torch device ('cpu', 'cuda', 'cuda:1'), got {short(device)}") from None
     path = find_checkpoint(path)
     cfg = read_config(path)
     model = build_model(cfg).to(device)

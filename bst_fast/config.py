@@ -449,7 +449,12 @@ def _from_dict(cls, d, prefix):
         elif key == "pairs" and value is not None:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"config field {short(name)} must be None or a fraction, got {short(value)}")
-            value = _as_float(name, value)
+            fraction = _as_float(name, value)
+            if _is_int(value) and value != 1:  # belief_state_loss reads an int as pairs per row: not here
+                raise ValueError(f"config field {short(name)} must be None or a fraction in (0, 1] of each row's "
+                                 f"pairs, got {short(value)} (a count of pairs per row is belief_state_loss's "
+                                 "pairs=k, not the config's)")
+            value = fraction
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_int, short
+from ._checks import ArgumentTypeError, TokenIdError, check_int, short
 from ._pairs import ID_DTYPES, check_rows, full_lengths, id_dtype_ok
 
 
@@ -76,10 +76,13 @@ def _device(model) -> torch.device:
 
 def _check_ids(model, values: bool = True, **named):
     """Each named argument (a prompt, a goal, eos_id; None skipped) holds integer token ids of the
-    model's vocabulary (known from its cfg; else only >= 0 is checked; not checked unless `values`)."""
+    model's vocabulary (known from its cfg; else only >= 0 is checked; not checked unless `values`).
+    eos_id and stop_token are one id each: an int, as the model's own eos_id arguments take it."""
     module = model if isinstance(model, nn.Module) else getattr(model, "model", model)  # or a searcher's
     V = getattr(getattr(module, "cfg", None), "vocab_size", None)
     for name, x in named.items():
+        if name in ("eos_id", "stop_token") and x is not None:
+            x = check_int(name, x, 0)
         t = None if x is None else _tensor(x, name)
         if t is None or t.numel() == 0:
             continue
@@ -92,7 +95,7 @@ def _check_ids(model, values: bool = True, **named):
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or V is not None and hi >= V:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} must hold token ids in 0..{'' if V is None else V - 1}, got {bad}")
+            raise TokenIdError(f"{name} must hold token ids in 0..{'' if V is None else V - 1}, got {bad}")
 
 
 class _Cache:
@@ -275,7 +278,7 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     if top_k is not None:
         top_k = check_int("top_k", top_k, 1)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        raise ArgumentTypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     # a bool is no temperature (True would sample at 1); numpy's floats are Real numbers too
     if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
@@ -476,9 +479,18 @@ def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: in
     returns its accuracy on (test_x, test_y)."""
     hidden, steps = check_int("hidden", hidden, 1), check_int("steps", steps, 1)
     for name, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+        if not (torch.is_tensor(x) and torch.is_tensor(y)):
+            raise ArgumentTypeError(f"{name}_x and {name}_y must be tensors, got {type(x).__name__} and {type(y).__name__}")
         if x.dim() != 2 or y.shape != x.shape[:1] or len(x) == 0:
             raise ValueError(f"{name}_x must be (n, m) with n >= 1 and {name}_y (n,), got shapes "
                              f"{tuple(x.shape)} and {tuple(y.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name}_x must be floating point (states), got {x.dtype}")
+        # classes: integers >= 0 (a float label 0.5 was truncated to class 0, silently; -1 was torch's IndexError)
+        if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool or int(y.min()) < 0:
+            raise ValueError(f"{name}_y must hold integer classes >= 0, got "
+                             + (f"{y.dtype}" if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool
+                                else f"{int(y.min())}"))
     # Training needs autograd even when the caller evaluates under no_grad or inference_mode; a
     # tensor made in inference mode cannot be saved for backward, hence the copies (clone).
     with torch.inference_mode(False), torch.enable_grad():
@@ -511,6 +523,10 @@ def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Seq
     if rows["test"].shape[1] != L:  # positions are compared across the two: one L for both
         raise ValueError(f"train_tokens and test_tokens must have rows of one length, got {L} and {rows['test'].shape[1]}")
     position = check_int("position", position, 0)
+    if position >= L - 1:  # no token after it to probe, whatever ks holds
+        raise ValueError(f"position must be below L - 1 = {L - 1} (a token k >= 1 steps after it), got {position}")
+    if isinstance(ks, (str, bytes)) or not isinstance(ks, Sequence) and not torch.is_tensor(ks):
+        raise ArgumentTypeError(f"ks must be a sequence of steps ahead (ints >= 1), got {short(ks)}")
     ks = [check_int("ks", k, 1) for k in ks]
     if not ks or position + max(ks) >= L:
         raise ValueError(f"ks must be non-empty with position + k < L = {L} (position {position}), got {list(ks)}")

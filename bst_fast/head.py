@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import plain_number
+from ._checks import ArgumentTypeError, plain_number
 from ._pairs import ACTIVATIONS
 from .backends import runtime
 
@@ -391,7 +391,7 @@ class ResidualSwiGLUHead(nn.Module):
         self.hidden = swiglu_hidden(d_model) if hidden is None else hidden
         bias = plain_number(bias)
         if not isinstance(bias, bool):  # bool("no") is True: a LayerNorm and biases nobody asked for
-            raise ValueError(f"bias must be True or False, got {bias!r}")
+            raise ArgumentTypeError(f"bias must be True or False, got {bias!r}")
         self.bias = bias
         two_m = 2 * d_model
         self.mlp = nn.Sequential(_SwiGLU(two_m, self.hidden, self.bias), nn.Identity(),

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import _pairs
-from ._checks import plain_number, short
+from ._checks import ArgumentTypeError, plain_number, short
 from ._pairs import separated_documents  # noqa: F401  (public: the official packed layout's documents)
 from .backends import NAMES, pick, runtime
 from .backends.runtime import LossOptions
@@ -38,7 +38,7 @@ def _vocab_size(head, m, device, dtype):
 
 def _check_head(head, f):
     if not isinstance(head, nn.Module):
-        raise ValueError(f"head must be an nn.Module, got {type(head).__name__}")
+        raise ArgumentTypeError(f"head must be an nn.Module, got {type(head).__name__}")
     d = getattr(head, "d_model", None)  # TextHead's and ResidualSwiGLUHead's width m
     if isinstance(d, int) and d != f.shape[-1]:
         raise ValueError(f"head.d_model ({d}) must equal the last dimension m of f ({f.shape[-1]})")
@@ -106,7 +106,7 @@ def belief_state_loss(f: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, he
     runtime.check_environment()
     deterministic = plain_number(deterministic)
     if not isinstance(deterministic, bool):  # it changes nothing, but a typo'd value must not pass for one
-        raise ValueError(f"deterministic must be True or False, got {short(deterministic)}")
+        raise ArgumentTypeError(f"deterministic must be True or False, got {short(deterministic)}")
     _pairs.check_f(f)  # the head's checks read f's width and dtype
     lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight = map(
         plain_number, (lengths, prefix_start, min_gap, max_gap, meet_token, pairs, next_weight))
@@ -140,8 +140,10 @@ class BeliefStateLoss(nn.Module):
         super().__init__()
         bad = set(options) - {"lengths", "prefix_start", "min_gap", "max_gap", "meet_token", "documents", "pairs",
                               "next_weight", "reduction", "generator", "backend", "deterministic"}
-        if bad:
-            raise ValueError(f"BeliefStateLoss got unknown options {sorted(bad)}")
+        if bad:  # a TypeError, as the call's own unknown keyword is
+            raise ArgumentTypeError(f"BeliefStateLoss got unknown options {sorted(bad)}")
+        if not isinstance(head, nn.Module):  # now, not at the first forward
+            raise ArgumentTypeError(f"head must be an nn.Module, got {type(head).__name__}")
         self.head = head
         self.options = options
 

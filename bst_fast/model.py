@@ -14,9 +14,10 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from .head import ResidualSwiGLUHead, TextHead, text_head_problem
-from ._checks import check_int, plain_number, short
+from ._checks import TokenIdError, check_int, plain_number, short
 from ._pairs import _as_row_vector, _raise_start, check_documents, full_lengths, host_known, id_dtype_ok
 from .backends import under_torch_func
+from .decode import _inference
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -548,7 +549,7 @@ class Teacherless(ForwardOnly):
         """The dummy stands for an answer token and is never one of the data's: one in the input
         would read as a blinded answer position."""
         if bool((ids == self.dummy_id).any()):
-            raise IndexError(f"{name} must not hold the teacherless dummy id {self.dummy_id} (vocab_size - 1; the "
+            raise TokenIdError(f"{name} must not hold the teacherless dummy id {self.dummy_id} (vocab_size - 1; the "
                              f"data's ids are [0, {self.dummy_id}))")
 
     def _blind(self, tokens, lengths, prefix_start):
@@ -569,12 +570,15 @@ class Teacherless(ForwardOnly):
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
 
-    @torch.no_grad()
-    def generate(self, prefix, n_new: int, eos_id: int = 0):
-        """One forward pass over the prompt and n_new - 1 dummies: (B, P) -> (B, n_new)."""
+    @_inference
+    def generate(self, prefix, n_new: int):
+        """One forward pass over the prompt and n_new - 1 dummies: (B, P) or (P,) -> (B, n_new), the
+        model in eval mode as every decoder runs it (no EOS: the answer is n_new tokens long)."""
         n_new = check_int("n_new", n_new, 0)
+        if torch.is_tensor(prefix) and prefix.dim() == 1:  # one prompt, as sample takes it
+            prefix = prefix[None]
         if not torch.is_tensor(prefix) or prefix.dim() != 2 or prefix.shape[1] == 0:
-            raise ValueError(f"prefix must be a (B, P) tensor of ids with P >= 1, got "
+            raise ValueError(f"prefix must be a (B, P) or (P,) tensor of ids with P >= 1, got "
                              f"{tuple(prefix.shape) if torch.is_tensor(prefix) else type(prefix).__name__}")
         full_lengths(prefix, None, self.cfg.vocab_size)
         self._check_no_dummy("prefix", prefix)

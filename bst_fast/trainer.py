@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
-from ._checks import short
+from ._checks import ArgumentTypeError, short
 from ._pairs import to_device
 from .backends import runtime
 from .checkpoint import (CheckpointWriteError, NonFiniteWeights, best_so_far, latest_checkpoint, load_checkpoint, read_config,
@@ -438,7 +438,7 @@ def _setup(cfg: TrainConfig, resume: bool, stop_at: Optional[int], overwrite: bo
         raise ValueError(f"stop_at must be None or a step >= 1, got {stop_at!r}")
     for name, flag in (("resume", resume), ("overwrite", overwrite)):
         if not isinstance(flag, bool):  # resume="false" is truthy: it resumed
-            raise TypeError(f"{name} must be True or False, got {short(flag)}")
+            raise ArgumentTypeError(f"{name} must be True or False, got {short(flag)}")
     if resume and overwrite:  # the folder would decide which one wins: say which is meant
         raise ValueError("resume (--resume) continues the run in out_dir and overwrite (--overwrite) starts it over: "
                          "give one of them")

@@ -221,6 +221,21 @@ def test_resume_names_a_changed_data_field_and_takes_the_same_corpus_by_another_
         train(tiny(tmp_path / "text", steps=4, eval_every=0, ckpt_every=0), resume=True)
 
 
+def test_text_vocab_blocks_a_resume_only_where_the_run_read_it(corpus, tmp_path):
+    """text_vocab sizes the BPE a raw-text run trains; a run whose tokenizer came with it (a prepared
+    corpus, a `tokenizer` file) never reads it, so a resume that changes it is the same run, while a
+    resume of a run that trained its BPE from it is refused on it."""
+    text, tok, out = corpus
+    run = dict(max_len=16, eval_every=0, ckpt_every=0)
+    for name, data in (("prepared", dict(data=str(out))), ("tokenizer", dict(data=str(text), tokenizer=str(tok)))):
+        train(tiny(tmp_path / name, steps=2, **data, **run))
+        train(tiny(tmp_path / name, steps=3, text_vocab=4000, **data, **run), resume=True)
+        assert load_model(tmp_path / name)[1].text_vocab == 4000
+    train(tiny(tmp_path / "bpe", data=str(text), text_vocab=280, steps=2, **run))
+    with pytest.raises(ValueError, match=r"another config.*'text_vocab': \(280, 300\)"):
+        train(tiny(tmp_path / "bpe", data=str(text), text_vocab=300, steps=3, **run), resume=True)
+
+
 def test_an_existing_tokenizer_for_raw_text(corpus, tmp_path, monkeypatch):
     text, tok, _ = corpus
     monkeypatch.setattr(data_pkg, "train_bpe", lambda *a, **k: pytest.fail("train_bpe called"))

@@ -134,7 +134,7 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
     corpus (train_bpe, the tokenizer a text run trains; `bpe_sample_bytes` trains it on documents
     spread evenly over the corpus, about that many bytes), else the path of a tokenizer.json or a HF
     Tokenizer (its vocabulary sets the model's; vocab_size and bpe_sample_bytes are then refused). max_doc_tokens: documents longer than this many tokens are
-    dropped (counted in the manifest's dropped_documents), as the paper drops TinyStories stories
+    dropped (counted in the manifest's dropped_documents; None or 0 drops none), as the paper drops TinyStories stories
     longer than 256 tokens. progress: bars on stderr (None: only for more than 8 MB of text).
     workers: encoding processes (None: one per CPU for a corpus over 4 MiB (4 * _ENCODE_CHARS
         bytes), else this process alone; 0: this process alone); the ids do not depend
@@ -147,8 +147,8 @@ def tokenize_corpus(data, out, *, vocab_size: int | None = None, tokenizer=None,
         # replacing it would leave the caller's shell in a deleted folder, seeing nothing written
         raise ValueError(f"--out {_shown(out, True)} is the current folder or holds it: give another folder")
     _check_out(out)
-    if max_doc_tokens is not None:
-        max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1)
+    if max_doc_tokens is not None:  # 0 keeps every document, as the config's max_doc_tokens 0 does
+        max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 0) or None
     if workers is not None:  # checked before the BPE is trained, which can take minutes
         workers = check_workers("workers", workers)
     if tokenizer is not None:  # they would be ignored

@@ -630,7 +630,7 @@ class TextData(_Batches):
     PAD and carry their lengths (docs/contract.md §1). pack=True packs those rows, train and
     held-out apart, into rows of max_len, pack="split" cuts them, joined, into rows of exactly
     max_len (packing.py): batches are then (tokens, lengths, documents). max_doc_tokens drops the
-    documents longer than that many tokens (None: none; a document longer than a row is otherwise
+    documents longer than that many tokens (None or 0: none; a document longer than a row is otherwise
     cut into rows).
     """
 
@@ -716,8 +716,10 @@ class TextData(_Batches):
         offsets = np.concatenate([[0], np.cumsum(doc_lengths)])[:-1]
         kept = doc_lengths > 0
         self.dropped_documents = 0  # longer than max_doc_tokens
+        if max_doc_tokens is not None:  # 0 keeps every document, as the config's max_doc_tokens 0 does
+            max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 0) or None
         if max_doc_tokens is not None:
-            long = doc_lengths > check_int("max_doc_tokens", max_doc_tokens, 1)
+            long = doc_lengths > max_doc_tokens
             self.dropped_documents = int(long.sum())
             kept &= ~long
         if not kept.all():
