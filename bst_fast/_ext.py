@@ -39,5 +39,8 @@ def require(what: str):
 if LOAD_ERROR is None:
     @torch.library.register_fake("bst_fast::sample_pairs")
     def _sample_pairs_fake(lengths, prefix_start, min_gap, max_gap, k, seed):
+        if len({t.device for t in (lengths, prefix_start, k)}) > 1:  # one meta argument among CPU ones
+            raise ValueError(f"sample_pairs takes lengths, prefix_start and k on the CPU, got "
+                             f"{[str(t.device) for t in (lengths, prefix_start, k)]}")
         n = torch.library.get_ctx().new_dynamic_size()
         return tuple(lengths.new_empty(n) for _ in range(3))

@@ -391,7 +391,15 @@ def _as_row_vector(x, name, B, device):
               + (f" of dtype {x.dtype}" if torch.is_tensor(x) else ""))
     if tuple(x.shape) != (B,):
         _fail(ValueError, f"{name} must have shape ({B},), one value per row of the batch, got {tuple(x.shape)}")
+    _check_not_meta(name, x, device)
     return to_device(x.to(dtype=torch.int64).contiguous(), device)  # kernels read it with stride 1
+
+
+def _check_not_meta(name, x, device):
+    """A meta tensor holds no values to copy to a batch elsewhere (torch's own error names nothing)."""
+    if x.is_meta and torch.device(device).type != "meta":
+        _fail(ValueError, f"{name} is on the meta device, which holds no values: give it on the CPU or on "
+                          f"the batch's device ({device})")
 
 
 def row_problems(tokens, lengths, vocab_size):
@@ -641,6 +649,8 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         if row.numel() == 0:
             return _no_pair(reduction, host, tokens, lengths, vocab_size,
                             "pairs is an empty (row, i, j) triple: the batch has no valid pair at all")
+        for name, x in zip(("pairs[0] (row)", "pairs[1] (i)", "pairs[2] (j)"), (row, i, j)):
+            _check_not_meta(name, x, dev)
         row, i, j = (to_device(x.to(dtype=torch.int64), dev) for x in (row, i, j))
         if B == 0:
             _fail(ValueError, f"pairs[0] = (row={int(row[0])}, i={int(i[0])}, j={int(j[0])}) is not a valid pair: "

@@ -260,7 +260,8 @@ def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperatu
     """(B, P) prompts -> (B, n_new) tokens, KV-cached, the model in eval mode (as every decoder
     here runs it). temperature=0 is greedy (a temperature > 0 too small for the scores' precision,
     below 1e-45 in float32, draws the limit: the most likely token, tied ones evenly); top_k keeps the k most likely tokens (exactly k: ties
-    at the k-th broken by index) before sampling. A BST reads the goal as suffix (default: the empty suffix).
+    at the k-th broken by index) before sampling. A BST reads the goal as suffix (default: the empty suffix,
+    B(EOS): a BST needs eos_id; a forward-only model takes none).
 
     stop_token: a row that draws it is finished; its later positions hold stop_token, and sampling
     ends once every row is. For a BST trained with meet pairs (docs/contract.md §8) this is the

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <limits>
 #include <utility>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -424,8 +425,13 @@ PairLossResult pair_loss(const at::Tensor& A_in, const at::Tensor& Bm_in,
   });
 
   // Reduce the per-thread sums once, in thread order, into the first thread's accumulators.
-  double loss = 0.0;
-  for (const auto& s : acc) loss += s.loss;
+  double sum = 0.0;
+  for (const auto& s : acc) sum += s.loss;
+  // The float32 loss as the other backends give it: past float32's range it is +-inf (a diverging
+  // model's summed loss), not the error at::scalar_tensor raises for a double it cannot hold.
+  const float loss = std::isfinite(sum) && std::fabs(sum) > std::numeric_limits<float>::max()
+                         ? std::copysign(std::numeric_limits<float>::infinity(), sum)
+                         : static_cast<float>(sum);
   if (!need_grad) {  // no gradient was computed: empty tensors say so (and cost no memory)
     std::vector<at::Tensor> dW, dc;  // distinct tensors: outputs must not alias each other
     for (int64_t k = 0; k < 2 * n_layers; ++k) (k < n_layers ? dW : dc).push_back(at::empty({0}, f32));

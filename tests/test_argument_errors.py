@@ -142,3 +142,27 @@ def test_the_configs_pairs_is_a_fraction_not_a_count(value):
     with pytest.raises(ValueError, match=rf"fraction in \(0, 1\] of each row's pairs, got {value} \(a count"):
         bst_fast.TrainConfig.from_dict({"pairs": value})
     assert bst_fast.TrainConfig.from_dict({"pairs": 1}).pairs == 1.0
+
+
+def test_meta_pair_set_arguments_and_a_differentiable_op_weight_are_named():
+    """Meta lengths, prefix_start or listed pairs beside a CPU batch raised torch's "Cannot copy out
+    of meta tensor", naming nothing; a raw op call with a weight that requires grad got no
+    gradient for it, silently (review helper-103)."""
+    head = bst_fast.TextHead(8, 6, 8)
+    f, tokens = torch.randn(2, 9, 8), torch.randint(0, 6, (2, 9))
+    meta = {"lengths": dict(lengths=torch.tensor([9, 4]).to("meta")),
+            "prefix_start": dict(prefix_start=torch.tensor([0, 1]).to("meta")),
+            r"pairs\[0\] \(row\)": dict(pairs=(torch.tensor([0]).to("meta"), torch.tensor([0]), torch.tensor([3])))}
+    for backend in ("cpp", "torch"):
+        for name, kw in meta.items():
+            with pytest.raises(ValueError, match=f"{name} is on the meta device"):
+                bst_fast.belief_state_loss(f, f, tokens, head, backend=backend, **kw)
+    with pytest.raises(ValueError, match=r"sample_pairs takes lengths, prefix_start and k on the CPU, got \['meta'"):
+        torch.ops.bst_fast.sample_pairs(torch.tensor([7, 5]).to("meta"), torch.tensor([0, 1]), 2, 7,
+                                        torch.tensor([3, 2]), 0)
+    A = torch.randn(1, 5, 4, requires_grad=True)
+    args = (A, torch.randn(1, 5, 4), [torch.randn(6, 4)], [torch.randn(6)], torch.randint(0, 3, (1, 5)),
+            torch.tensor([5]), torch.tensor([0]), 2, 5, None, None, None)
+    torch.ops.bst_fast.pair_loss(*args, torch.tensor(0.5, dtype=torch.float64), 0.5, "gelu", True)[0].backward()
+    with pytest.raises(ValueError, match="weight .* takes no gradient through the pair-loss op"):
+        torch.ops.bst_fast.pair_loss(*args, torch.tensor(0.5, dtype=torch.float64, requires_grad=True), 0.5, "gelu", True)

@@ -693,3 +693,20 @@ def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
                                                   generator=torch.Generator().manual_seed(1)))
     with pytest.raises(ValueError, match="min_gap must be an int"):
         belief_state_loss(f, b, tokens, head, min_gap=np.bool_(True))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch", "reference"])
+def test_a_summed_loss_past_float32s_range_is_inf_on_every_backend(backend):
+    """The cpp engine sums in double and raised "value cannot be converted to type float without
+    overflow" for a sum past float32's range (review helper-103): a diverging run's summed loss must
+    reach the trainer as inf, which stops the run naming its last good checkpoint."""
+    torch.manual_seed(0)
+    head = TextHead(8, 6, 8)
+    with torch.no_grad():
+        head.layers[-1].weight.zero_()
+        head.layers[-1].bias.zero_()
+        head.layers[-1].bias[0] = 1e38  # each pair's loss about 1e38, far more than 3.4e38 summed
+    f = torch.randn(2, 12, 8)
+    tokens = torch.randint(1, 6, (2, 12))
+    loss = belief_state_loss(f, f.clone(), tokens, head, reduction="sum", backend=backend)
+    assert loss.dtype == torch.float32 and loss.item() == float("inf")

@@ -105,6 +105,9 @@ def fake(A, Bm, weights, biases, tokens, lengths, prefix_start, min_gap, max_gap
 
 
 def _setup_context(ctx, inputs, output):
+    weight = inputs[12]  # the pairs' scale: a constant of the op, whose backward returns no gradient for it
+    if torch.is_tensor(weight) and weight.requires_grad:
+        raise ValueError("weight (the pairs' scale) takes no gradient through the pair-loss op: pass it detached")
     _, dA, dB, dW, dc = output
     ctx.n_layers = len(dW)
     ctx.save_for_backward(dA, dB, *dW, *dc)
