@@ -490,6 +490,10 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, Any], List[str]]:
                 changes[key] = int(value)
             except ValueError:
                 raise ValueError(f"--variant {text!r}: {key} takes an int, got {value!r}") from None
+    try:  # the switches' own checks (vocab_pad=-4), before any column runs
+        dataclasses.replace(runtime.Switches(), **changes)
+    except ValueError as e:
+        raise ValueError(f"--variant {text!r}: {e}") from None
     return name, changes, sets
 
 

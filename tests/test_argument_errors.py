@@ -166,3 +166,23 @@ def test_meta_pair_set_arguments_and_a_differentiable_op_weight_are_named():
     torch.ops.bst_fast.pair_loss(*args, torch.tensor(0.5, dtype=torch.float64), 0.5, "gelu", True)[0].backward()
     with pytest.raises(ValueError, match="weight .* takes no gradient through the pair-loss op"):
         torch.ops.bst_fast.pair_loss(*args, torch.tensor(0.5, dtype=torch.float64, requires_grad=True), 0.5, "gelu", True)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(vocab_pad=-4), "switch vocab_pad must be an int >= 0, got -4"),
+    (dict(chunk_pairs=-1), "switch chunk_pairs must be None or an int >= 1, got -1"),
+    (dict(chunk_pairs=2.5), "switch chunk_pairs must be None or an int >= 1, got 2.5"),
+    (dict(triton_chunk_bytes=0), "switch triton_chunk_bytes must be an int >= 1, got 0"),
+    (dict(fused_ce="yes"), "switch fused_ce must be True or False, got 'yes'"),
+    (dict(triton_ops=1), "switch triton_ops must be None, True or False, got 1"),
+])
+def test_switches_set_in_code_are_checked(changes, message):
+    """The environment's values were checked, switched()'s were not: vocab_pad=-4 failed deep in the
+    backend, chunk_pairs=-1 ran one pair a chunk, silently (review helper-102)."""
+    from bst_fast.backends import runtime
+
+    with pytest.raises(ValueError, match=message):
+        with runtime.switched(**changes):
+            pass
+    with runtime.switched(chunk_pairs=3, window_rows=0, triton_ops=None):
+        pass

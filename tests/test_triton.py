@@ -1134,3 +1134,33 @@ def test_the_fused_last_layer_refuses_what_its_32_bit_offsets_cannot_reach(V, K,
     except Exception:  # past the guard: the launch itself cannot run on the meta device
         error = ""
     assert ("past the kernel's 32-bit offsets: turn fused_ce off" in error) == refused, error
+
+
+def test_relu_keeps_a_nan_state_and_gelu_tanh_holds_its_negative_tail():
+    """Review helper-102: relu as tl.maximum(z, 0) turned a NaN pre-activation into 0, so a NaN in
+    a valid state gave a finite loss (every other backend: NaN); gelu_tanh's 1 + tanh(u) cancelled
+    in the negative tail (2e-3 relative at z = -4), putting gradients past the contract's 1e-4."""
+    f, b, tokens, head = _inputs(1, 8, 5, 7, hidden=12, activation="relu")
+    f[0, 2, 1] = float("nan")  # a valid prefix position that pairs with j = 4..7
+    for backend in ("triton", "reference"):
+        ff = f.clone().requires_grad_()
+        h = copy.deepcopy(head)
+        loss = belief_state_loss(ff, b, tokens, h, backend=backend)
+        loss.backward()
+        assert loss.isnan() and ff.grad.isnan().any() and h.layers[0].weight.grad.isnan().any(), backend
+    # a head whose first layer sits in gelu_tanh's tail: triton's float32 gradients were 7e-4 to 1e-3
+    # off float64 here (torch's own float32 gelu_tanh 2e-4); without the cancellation, under 1e-6
+    torch.manual_seed(0)
+    head = TextHead(6, 11, hidden=[16, 12], n_layers=3, activation="gelu_tanh")
+    with torch.no_grad():
+        head.layers[0].bias.fill_(-4.0)
+    f, b = torch.randn(2, 8, 6) * 0.3, torch.randn(2, 8, 6) * 0.3
+    tokens = torch.randint(0, 11, (2, 8))
+
+    def grads(dtype, backend):
+        h = copy.deepcopy(head).to(dtype)
+        x, y = f.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+        return torch.autograd.grad(belief_state_loss(x, y, tokens, h, backend=backend), [x, y, h.layers[0].weight])
+
+    errors = [_rel(g, r) for g, r in zip(grads(torch.float32, "triton"), grads(torch.float64, "reference"))]
+    assert max(errors) < 1e-5, errors

@@ -123,6 +123,23 @@ class Switches:
     # timed on a GPU yet.
     split_16bit: bool = False
 
+    def __post_init__(self):
+        # switched(), a test's or a benchmark's --variant set them in code: a -4 vocab_pad failed deep in
+        # the backend, and a chunk_pairs of -1 ran one pair a chunk, silently (review helper-102)
+        lowest = {"triton_chunk_bytes": 1, "torch_chunk_bytes": 1, "torch_cpu_chunk_bytes": 1, "vocab_pad": 0,
+                  "chunk_pairs": 1, "window_rows": 0}
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), f.default
+            if f.name in lowest:
+                if value is None and default is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < lowest[f.name]:
+                    raise ValueError(f"switch {f.name} must be {'None or ' if default is None else ''}an int >= "
+                                     f"{lowest[f.name]}, got {value!r}")
+            elif not isinstance(value, bool) and not (value is None and default is None):
+                raise ValueError(f"switch {f.name} must be {'None, ' if default is None else ''}True or False, "
+                                 f"got {value!r}")
+
     @classmethod
     def from_environment(cls) -> "Switches":
         return cls(triton_chunk_bytes=env_mb("BST_FAST_CHUNK_MB", 256),

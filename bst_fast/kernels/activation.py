@@ -33,16 +33,17 @@ def interpreted_bf16(dtype) -> bool:
 def act(z, ACT: tl.constexpr):
     # act(z) in float32; every activation has act(0) = 0, so zero-padded hidden units stay zero.
     if ACT == 0:
-        return tl.maximum(z, 0.0)
+        # a NaN stays NaN, as torch.relu keeps it (tl.maximum(nan, 0) is 0: a NaN state gave a finite loss)
+        return tl.where(z <= 0.0, 0.0, z)
     elif ACT == 1:
         return tl.where(z > 0, z, 0.01 * z)
     elif ACT == 2:
         return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == 3:
-        # tanh(u) = 1 - 2 / (1 + e^{2u}); the clamp keeps e^{2u} finite (tanh is 1 there to float32)
+        # 0.5 (1 + tanh(u)) = sigmoid(2u): no 1 + t cancelling in the negative tail (1 - 2 / (1 + e^{2u})
+        # lost 2e-3 relative at z = -4, 5x torch's error); the clamp keeps e^{-2u} finite
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
-        return 0.5 * z * (1.0 + t)
+        return z / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
     elif ACT == 4:
         return z / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
     else:
@@ -53,17 +54,22 @@ def act(z, ACT: tl.constexpr):
 def act_grad(z, ACT: tl.constexpr):
     # d act / dz in float32 (relu'(0) = 0, as autograd has it).
     if ACT == 0:
-        return tl.where(z > 0, 1.0, 0.0)
+        # a NaN z passes the gradient, as aten's threshold_backward does (z <= 0 selects 0)
+        return tl.where(z <= 0.0, 0.0, 1.0)
     elif ACT == 1:
         return tl.where(z > 0, 1.0, 0.01)
     elif ACT == 2:
         # 0.5 (1 + erf(z / sqrt 2)) + z * phi(z), phi the standard normal density
         return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
     elif ACT == 3:
+        # with s = sigmoid(2u) = 0.5 (1 + tanh u): 0.5 (1 - tanh^2 u) = 2 s (1 - s). In the negative tail s
+        # is small and exact, 1 - s near 1; near s = 1 the rounding of 1 - s is ulp(1) of a derivative
+        # near 1. (e^{-2u} s for 1 - s is exact everywhere, but one more live value spilled
+        # prefix_grad_kernel at 168 registers on sm_90.)
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(tl.minimum(2.0 * u, 80.0)))
+        s = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+        return s + 2.0 * z * s * (1.0 - s) * du
     elif ACT == 4:
         s = 1.0 / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
         return s * (1.0 + z * (1.0 - s))
