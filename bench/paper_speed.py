@@ -479,12 +479,13 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, Any], List[str]]:
         if not sep or key not in fields:
             raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY a switch, one of "
                              f"{sorted(fields)}, or a config field (a TrainConfig field or model.<field>)")
-        if isinstance(getattr(runtime.Switches(), key), bool):
-            if value.lower() not in ("1", "0", "true", "false"):
-                raise ValueError(f"--variant {text!r}: {key} takes 1 or 0, got {value!r}")
-            changes[key] = value.lower() in ("1", "true")
-        elif value.lower() == "none":
+        kind, optional = runtime.switch_kind(fields[key])
+        if optional and value.lower() == "none":
             changes[key] = None
+        elif kind == "bool":  # triton_ops too (None, True or False)
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"--variant {text!r}: {key} takes 1 or 0{' (or none)' if optional else ''}, got {value!r}")
+            changes[key] = value.lower() in ("1", "true")
         else:
             try:
                 changes[key] = int(value)

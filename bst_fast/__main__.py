@@ -30,6 +30,14 @@ def _positive(text):
     return value
 
 
+def _count(text):
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _load(args):
     from .config import resolve_config
 
@@ -275,8 +283,10 @@ def cmd_generate(args):
     else:
         horizon = min(32, cfg.model.max_len - len(prompt) - len(goal) - 1)
         if horizon < 1:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) and --suffix ({len(goal)}) leave no room "
-                             f"within max_len {cfg.model.max_len}: pass --horizon or shorten them")
+            room = cfg.model.max_len - len(goal) - 2  # at least one new token
+            raise ValueError(f"the prompt ({len(prompt)} tokens) and --suffix ({len(goal)}) leave no room for a "
+                             f"new token within max_len {cfg.model.max_len}: shorten the prompt to at most "
+                             f"{max(room, 0)} tokens" + (" or the suffix" if goal else ""))
     score = None
     if cfg.method == "teacherless":
         if search != "greedy":
@@ -422,8 +432,9 @@ def main(argv=None):
                    "(default 1000, the paper's; 259 to 2**20)")
     p.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json instead of training one "
                    "(its vocabulary sets the model's)")
-    p.add_argument("--max-doc-tokens", type=_positive, metavar="N",
-                   help="drop documents longer than N tokens (the paper's TinyStories setup: 256); reports how many")
+    p.add_argument("--max-doc-tokens", type=_count, metavar="N",
+                   help="drop documents longer than N tokens (the paper's TinyStories setup: 256; 0 keeps all, as "
+                        "the config's max_doc_tokens 0 does); reports how many")
     p.add_argument("--bpe-sample-mb", type=_positive_float, metavar="MB",
                    help="train the BPE tokenizer on about MB megabytes of documents spread over the corpus "
                    "(default: all of it, the tokenizer a text run trains)")
@@ -446,7 +457,10 @@ def main(argv=None):
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        # no checkpoint is written on an interrupt: a run resumes from its last saved one
+        training = args.command in ("train", "star", "table")
+        print("interrupted" + (" (--resume continues from the latest checkpoint; the steps since it run again)"
+                               if training else ""), file=sys.stderr)
         return 130
     return 0
 

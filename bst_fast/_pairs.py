@@ -469,7 +469,7 @@ def check_documents(documents, lengths, B, L, device, values: bool = True):
     sides = documents if isinstance(documents, (tuple, list)) else (documents,)
     tensors = all(map(torch.is_tensor, sides))
     if isinstance(documents, (tuple, list)) and (len(documents) != 2 or not tensors):
-        _fail(ValueError, f"documents must be a (B, L) tensor of ids or a (prefix_ids, suffix_ids) pair, "
+        _fail(ValueError if len(documents) != 2 else ArgumentTypeError, f"documents must be a (B, L) tensor of ids or a (prefix_ids, suffix_ids) pair, "
                           f"got a {type(documents).__name__} of {len(documents)}"
                           + ("" if tensors else " that are not all tensors"))
     names = ["documents"] if len(sides) == 1 else ["documents[0] (prefix ids)", "documents[1] (suffix ids)"]
@@ -549,16 +549,19 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
     if meet_token is not None and not (0 <= meet_token and (vocab_size is None or meet_token < vocab_size)):
         _fail(ValueError, f"meet_token must lie in [0, vocab_size={vocab_size}), got {meet_token}")
     if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 1:
-        _fail(ValueError, f"min_gap must be an int >= 2 (or 1 with meet_token, docs/contract.md §8), got {min_gap!r}")
+        _fail(ArgumentTypeError if not isinstance(min_gap, int) or isinstance(min_gap, bool) else ValueError,
+              f"min_gap must be an int >= 2 (or 1 with meet_token, docs/contract.md §8), got {min_gap!r}")
     if min_gap == 1 and meet_token is None:
         _fail(ValueError, "min_gap=1 needs meet_token: a pair with j - i = 1 has no token between prefix and suffix "
                           "(its Next label tokens[r, i+1] is the suffix's first token, its Prev label the prefix's "
                           "last), so both its labels are meet_token (docs/contract.md §8; the official "
                           "bst_single_gap_prediction_mode 'eos' is meet_token=<the EOS id>)")
     if max_gap is not None and (not isinstance(max_gap, int) or isinstance(max_gap, bool) or max_gap < min_gap):
-        _fail(ValueError, f"max_gap must be None or an int >= min_gap ({min_gap}), got {max_gap!r}")
+        _fail(ArgumentTypeError if not isinstance(max_gap, int) or isinstance(max_gap, bool) else ValueError,
+              f"max_gap must be None or an int >= min_gap ({min_gap}), got {max_gap!r}")
     if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) or not 0.0 <= next_weight <= 1.0:
-        _fail(ValueError, f"next_weight must be a number in [0, 1], got {next_weight!r}")
+        _fail(ArgumentTypeError if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) else ValueError,
+              f"next_weight must be a number in [0, 1], got {next_weight!r}")
     if reduction not in REDUCTIONS:
         _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -639,7 +642,8 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
 
     if isinstance(pairs, (tuple, list)):
         if len(pairs) != 3 or not all(torch.is_tensor(x) for x in pairs):
-            _fail(ValueError, "pairs given explicitly must be a (row, i, j) triple of int64 tensors")
+            _fail(ValueError if len(pairs) != 3 else ArgumentTypeError,
+                  "pairs given explicitly must be a (row, i, j) triple of int64 tensors")
         row, i, j = pairs
         if any(x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex() or x.dim() != 1
                for x in (row, i, j)) \

@@ -176,7 +176,8 @@ def resume_changes(then: dict, now: dict, allowed) -> dict:
     read only to train a BPE of raw text: a run whose tokenizer came with it (a `tokenizer` file,
     a prepared corpus) never read it, so there it is no difference."""
     text = then.get("data") != "star" and now["data"] != "star"
-    allowed = tuple(allowed) + (("data",) if text else ())
+    # a resume reads the tokenizer its checkpoint carries: the task compares a named one's content
+    allowed = tuple(allowed) + (("data", "tokenizer") if text else ())
     if text and (then.get("tokenizer") or not isinstance(now["data"], str) or is_prepared(now["data"])):
         allowed += ("text_vocab",)
     return config_changes(then, now, allowed)
@@ -486,8 +487,8 @@ def load_model(path, device="cpu"):
     device: a torch device, or "auto" (CUDA where torch sees it, as the config's `device` takes it)."""
     from .tasks import build_model
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None or device == "auto":  # None: where the model is built (the CPU), as .to(None) left it
+        device = "cpu" if device is None or not torch.cuda.is_available() else "cuda"
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):

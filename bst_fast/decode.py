@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import heapq
 import numbers
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -526,7 +526,7 @@ def probe_future_tokens(model, train_tokens, test_tokens, position: int, ks: Seq
     position = check_int("position", position, 0)
     if position >= L - 1:  # no token after it to probe, whatever ks holds
         raise ValueError(f"position must be below L - 1 = {L - 1} (a token k >= 1 steps after it), got {position}")
-    if isinstance(ks, (str, bytes)) or not isinstance(ks, Sequence) and not torch.is_tensor(ks):
+    if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable) or torch.is_tensor(ks) and ks.dim() == 0:
         raise ArgumentTypeError(f"ks must be a sequence of steps ahead (ints >= 1), got {short(ks)}")
     ks = [check_int("ks", k, 1) for k in ks]
     if not ks or position + max(ks) >= L:

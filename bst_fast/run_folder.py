@@ -174,14 +174,23 @@ class RunFolder:
             if resume:
                 ckpt = latest_checkpoint(out)
                 if ckpt is None:
-                    raise ValueError(f"--resume: no checkpoint under {_cut(out / 'checkpoints')}")
+                    held = [n for n in RUN_FILES if os.path.lexists(out / n)]
+                    why = (f" (the run there, {', '.join(held)}, stopped before its first checkpoint: start it over with "
+                           f"--overwrite)") if held else ""
+                    raise ValueError(f"--resume: no checkpoint under {_cut(out / 'checkpoints')}{why}")
                 return ckpt
             held = [n for n in RUN_FILES if os.path.lexists(out / n)]
             if held and _protected(out):
                 raise ValueError(f"out_dir {_cut(out)} is {_protected(out)}, which is never deleted from, and holds a "
                                  f"run ({', '.join(held)}): resume it (--resume) or choose another out_dir")
             if held and not overwrite:
-                raise ValueError(f"out_dir {_cut(out)} already holds a run ({', '.join(held)}): resume it (--resume), "
+                try:
+                    resumable = latest_checkpoint(out) is not None
+                except (OSError, ValueError):  # a damaged one: --resume says what is wrong with it
+                    resumable = True
+                first = ("resume it (--resume), " if resumable else
+                         "it has no checkpoint to resume (it stopped before its first): ")
+                raise ValueError(f"out_dir {_cut(out)} already holds a run ({', '.join(held)}): {first}"
                                  f"start over in it (--overwrite) or choose another out_dir")
             # Every folder something is deleted in (a step folder's subfolders too) must let it go:
             # a permission found halfway would leave the old run half deleted.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Union
@@ -214,6 +215,17 @@ class TextTask:
             if not path.is_file():
                 raise ValueError(f"--resume: checkpoint {resume_from} holds no {TOKENIZER} (the run's tokenizer)")
             saved = load_tokenizer(path)
+            # the field may name the run's tokenizer by another path (a moved corpus), or a file gone
+            # since (the checkpoint carries it): another tokenizer is refused, not silently ignored
+            if cfg.tokenizer and os.path.exists(cfg.tokenizer):
+                try:
+                    named = load_tokenizer(cfg.tokenizer)
+                except (ValueError, FileNotFoundError) as e:
+                    raise ValueError(f"config field 'tokenizer': {e}") from None
+                if named.to_str() != saved.to_str():
+                    raise ValueError(f"--resume: config field 'tokenizer' ({cfg.tokenizer}) is not the tokenizer "
+                                     f"checkpoint {resume_from} was trained with (it carries its own): leave the "
+                                     f"field as the run had it, or empty")
         if cfg.tokenizer and not resume:
             try:
                 given = load_tokenizer(cfg.tokenizer)
@@ -276,8 +288,14 @@ class TextTask:
                 if weights is not None:
                     raise ValueError(f"--resume: the mixture's corpora are this run's, but not its weights, normalised: "
                                      f"then {weights[0]}, now {weights[1]}; give the run's weights to resume it exactly")
+                forms = [x.get("format", "raw text") if isinstance(x, dict) and "mixture" not in x else None
+                         for x in (then, now)]
+                if forms[0] != forms[1] and None not in forms:  # fingerprints of two kinds: never equal
+                    raise ValueError(f"--resume: this run was trained on {forms[0]} and data now names {forms[1]} "
+                                     f"({cfg.data}): a resume reads its corpus in the form it was trained on "
+                                     f"(the two forms' fingerprints cannot be compared); give the run's own data")
                 raise ValueError(f"--resume: the corpus at {cfg.data} is not the one this run was trained on "
-                                 f"(then {then}, now {now})")
+                                 f"(then {then}, now {now}); give the run's own data, or start over (--overwrite)")
 
     files = (TOKENIZER, CORPUS)
 

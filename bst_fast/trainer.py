@@ -114,7 +114,9 @@ def _check_resumable(ckpt: Path, then: TrainConfig, cfg: TrainConfig, before_tas
     if before_task:
         diff = {k: v for k, v in diff.items() if k not in {f"model.{f}" for f in (*DATA_SET_FIELDS, "gpt_head")}}
     if diff:
-        raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}")
+        raise ValueError(f"checkpoint {ckpt} was trained with another config; (checkpoint, now) per field: {diff}. "
+                         f"Set them back to resume it, or start over (--overwrite, or another out_dir); a resume "
+                         f"may change {', '.join(RESUMABLE_CHANGES)}")
 
 
 class Batch(NamedTuple):

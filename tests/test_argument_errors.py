@@ -2,6 +2,7 @@
 token id outside the vocabulary is an IndexError and a ValueError wherever it is met (the decoders
 raised ValueError, the model and the loss IndexError); an argument of the wrong type a TypeError
 and a ValueError; a missing checkpoint a FileNotFoundError and a ValueError."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,12 @@ def test_wrong_types_are_type_errors_and_value_errors(tmp_path):
         "separator": (lambda: bst_fast.separated_documents(tokens, 2.5), "separator must be an int"),
         "swiglu bias": (lambda: bst_fast.ResidualSwiGLUHead(8, V, bias="no"), "bias must be True or False"),
         "ks": (lambda: decode.probe_future_tokens(m, tokens.repeat(2, 1), tokens.repeat(2, 1), 1, 2), "ks must be a sequence"),
+        "min_gap": (lambda: bst_fast.belief_state_loss(f, f, tokens, m.head, min_gap="2"), "min_gap must be"),
+        "max_gap": (lambda: bst_fast.belief_state_loss(f, f, tokens, m.head, max_gap=3.0), "max_gap must be"),
+        "next_weight": (lambda: bst_fast.belief_state_loss(f, f, tokens, m.head, next_weight="0.5"), "next_weight"),
+        "documents": (lambda: bst_fast.belief_state_loss(f, f, tokens, m.head, documents=[[0] * 4, [0] * 4]),
+                      "documents must be"),
+        "pairs list": (lambda: bst_fast.belief_state_loss(f, f, tokens, m.head, pairs=([0], [0], [2])), "pairs given"),
     }
     for name, (call, message) in calls.items():
         with pytest.raises(TypeError, match=message) as e:
@@ -93,6 +100,8 @@ def test_load_model_takes_device_auto_as_the_config_does(tmp_path):
     model, _ = bst_fast.load_model(tmp_path / "run", device="auto")
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert next(model.parameters()).device.type == want
+    model, _ = bst_fast.load_model(tmp_path / "run", device=None)  # as .to(None) left it: the CPU
+    assert next(model.parameters()).device.type == "cpu"
 
 
 def test_teacherless_generate_runs_in_eval_mode_and_takes_one_prompt():
@@ -120,6 +129,9 @@ def test_probes_check_their_labels_and_name_the_bad_position():
     rows = torch.randint(0, V, (4, 8))
     with pytest.raises(ValueError, match="position must be below L - 1 = 7"):
         decode.probe_future_tokens(m, rows, rows, 10, [1])
+    import numpy as np  # any iterable of steps, as before (review helper-106)
+
+    assert set(decode.probe_future_tokens(m, rows, rows, 2, np.array([1, 2]), steps=2)) == {1, 2}
 
 
 def test_separated_documents_refuses_float_ids():
@@ -175,6 +187,7 @@ def test_meta_pair_set_arguments_and_a_differentiable_op_weight_are_named():
     (dict(triton_chunk_bytes=0), "switch triton_chunk_bytes must be an int >= 1, got 0"),
     (dict(fused_ce="yes"), "switch fused_ce must be True or False, got 'yes'"),
     (dict(triton_ops=1), "switch triton_ops must be None, True or False, got 1"),
+    (dict(window_rows=-1), "switch window_rows must be None or an int >= 0, got -1"),
 ])
 def test_switches_set_in_code_are_checked(changes, message):
     """The environment's values were checked, switched()'s were not: vocab_pad=-4 failed deep in the
@@ -184,5 +197,11 @@ def test_switches_set_in_code_are_checked(changes, message):
     with pytest.raises(ValueError, match=message):
         with runtime.switched(**changes):
             pass
-    with runtime.switched(chunk_pairs=3, window_rows=0, triton_ops=None):
-        pass
+    import numpy as np
+
+    with runtime.switched(chunk_pairs=np.int64(3), window_rows=0, triton_ops=None, fused_ce=np.True_) as on:
+        assert type(on.chunk_pairs) is int and on.fused_ce is True
+    # a switch's kind comes from its annotation: a field added later is checked by its own type
+    assert [runtime.switch_kind(f) for f in dataclasses.fields(runtime.Switches)
+            if f.name in ("triton_ops", "chunk_pairs", "vocab_pad", "fused_ce")] == \
+        [("int", True), ("bool", True), ("int", False), ("bool", False)]

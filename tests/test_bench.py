@@ -417,12 +417,15 @@ def test_paper_speed_variants_run_beside_their_column(tmp_path, monkeypatch):
     ps = _paper_speed(monkeypatch, "_paper_speed_variants")
     assert ps.parse_variant("f=fused_ce=1,triton_chunk_bytes=1000,window_rows=none") == \
         ("f", {"fused_ce": True, "triton_chunk_bytes": 1000, "window_rows": None}, [])
+    assert ps.parse_variant("t=triton_ops=1,chunk_pairs=none") == ("t", {"triton_ops": True, "chunk_pairs": None}, [])
+    assert ps.parse_variant("t=triton_ops=none")[1] == {"triton_ops": None}
     assert ps.parse_variant("c=model.dropout=0.1,fused_ce=0,grad_clip=2") == \
         ("c", {"fused_ce": False}, ["model.dropout=0.1", "grad_clip=2"])
     for bad, match in (("f", "expected NAME"), ("default=fused_ce=1", "not 'default'"), ("f=fusedce=1", "a switch, one of"),
                        ("f=fused_ce=2", "takes 1 or 0"), ("f=triton_chunk_bytes=big", "takes an int"),
                        ("f=vocab_pad=-4", "switch vocab_pad must be an int >= 0, got -4"),
-                       ("f=chunk_pairs=0", "switch chunk_pairs must be None or an int >= 1, got 0")):
+                       ("f=chunk_pairs=0", "switch chunk_pairs must be None or an int >= 1, got 0"),
+                       ("f=triton_ops=2", r"triton_ops takes 1 or 0 \(or none\)")):
         with pytest.raises(ValueError, match=match):
             ps.parse_variant(bad)
     out = tmp_path / "v"

@@ -586,6 +586,11 @@ def test_generate_cli_text(tmp_path, capsys):
     assert main(args + ["--search", "sample", "--top-k", "5", "--horizon", "4"]) == 0
     # without --horizon: 32 tokens would pass max_len 48 after a goal; the default leaves room
     assert main(args + ["--suffix", " The end." * 4, "--rollouts", "2"]) == 0, capsys.readouterr().err
+    # a prompt too long for a new token says how long it may be (it said "pass --horizon", which
+    # cannot help: review helper-105)
+    assert main(args[:-1] + [" cat" * 60]) == 2
+    err = capsys.readouterr().err
+    assert "leave no room for a new token within max_len 48: shorten the prompt to at most 46 tokens" in err
     # '<eos>' written in a prompt is text, as in a training document, not the EOS id
     assert main(args[:-1] + ["Once <eos> upon", "--search", "greedy", "--horizon", "2"]) == 0, capsys.readouterr().err
     assert "prefix:    Once <eos> upon" in capsys.readouterr().out

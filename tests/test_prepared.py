@@ -1042,3 +1042,81 @@ def test_an_interrupt_between_the_renames_puts_the_old_corpus_back(corpus, tmp_p
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert json.loads((out / prep.MANIFEST).read_text())["fingerprint"] == first["fingerprint"]
+
+
+def test_encoding_workers_die_with_a_killed_tokenize(tmp_path):
+    """A SIGKILL of `tokenize` (or the OOM killer's) left its encoding workers alive for ever,
+    blocked on the result pipe their siblings hold open (review helper-105): each worker asks the
+    kernel to kill it when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    import signal
+    import time
+
+    code = """if 1:
+        import os, signal, sys, time
+        import numpy as np
+        from bst_fast.data import prepared as prep
+        def init(*args):
+            prep._die_with(args[-1])  # the real initializer's first step, with its parent's pid
+        def slow(batch):
+            print("worker", os.getpid(), flush=True)
+            time.sleep(120)
+        class Tok:
+            def to_str(self):
+                return ""
+        prep._worker_init, prep._worker_encode = init, slow
+        for _ in prep._encoded(iter(range(4)), Tok(), np.dtype(np.uint16), 2):
+            pass
+    """
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    workers = {int(run.stdout.readline().split()[1]) for _ in range(2)}
+    run.kill()
+    run.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone, awaiting its reaper
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 20
+    while any(map(alive, workers)) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed parent"
+
+
+def test_a_resume_compares_the_named_tokenizer_by_content_and_names_a_change_of_form(corpus, tmp_path):
+    """A resume read the checkpoint's tokenizer but compared the field as a path: the same file by
+    another path was refused, a dangling old path accepted; a raw run resumed on its own prepared
+    corpus was told the corpus "is not the one this run was trained on" (review helper-105)."""
+    text, tok, out = corpus
+    run = dict(max_len=16, eval_every=0, ckpt_every=0)
+    d = tmp_path / "run"
+    train(tiny(d, data=str(text), tokenizer=str(tok), steps=2, **run))
+    moved = tmp_path / "moved.json"
+    shutil.copy(tok, moved)
+    train(tiny(d, data=str(text), tokenizer=str(moved), steps=3, **run), resume=True)  # the same tokenizer
+    train(tiny(d, data=str(text), tokenizer="", steps=4, **run), resume=True)  # the checkpoint carries it
+    other = tmp_path / "other.json"
+    save_tokenizer(train_bpe(text, vocab_size=280), other)
+    with pytest.raises(ValueError, match=r"config field 'tokenizer' \(.*other.json\) is not the tokenizer checkpoint"):
+        train(tiny(d, data=str(text), tokenizer=str(other), steps=5, **run), resume=True)
+    with pytest.raises(ValueError, match=r"trained on raw text and data now names prepared .* in the form it was "
+                                         r"trained on"):
+        train(tiny(d, data=str(out), steps=5, **run), resume=True)
+    with pytest.raises(ValueError, match=r"another config.*Set them back to resume it, or start over \(--overwrite"):
+        train(tiny(d, data=str(text), tokenizer=str(tok), steps=5, **{**run, "max_len": 20}), resume=True)
+
+
+def test_tokenize_takes_max_doc_tokens_0_as_keep_all(corpus, tmp_path):
+    text, tok, _ = corpus
+    out = tmp_path / "all"
+    assert cli(["tokenize", str(text), "--out", str(out), "--tokenizer", str(tok), "--max-doc-tokens", "0",
+                "--no-progress"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dropped_documents"] == 0 and m["max_doc_tokens"] is None and m["documents"] == 60

@@ -594,6 +594,21 @@ def test_a_bad_marker_makes_the_folder_foreign(tmp_path, marker):
     assert snapshot(d) == before
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over(tmp_path):
+    """Both refusals pointed nowhere: a plain start said "resume it (--resume)", which then said only
+    "no checkpoint" (review helper-105)."""
+    d = tmp_path / "run"
+    train(tiny(d, steps=1, eval_every=0, ckpt_every=0))
+    shutil.rmtree(d / "checkpoints")  # as a run interrupted before its first checkpoint leaves it
+    with pytest.raises(ValueError, match=r"already holds a run \(.*\): it has no checkpoint to resume \(it stopped "
+                                         r"before its first\): start over in it \(--overwrite\)"):
+        train(tiny(d, steps=1))
+    with pytest.raises(ValueError, match=r"--resume: no checkpoint under .*stopped before its first checkpoint: "
+                                         r"start it over with --overwrite"):
+        train(tiny(d, steps=1), resume=True)
+    train(tiny(d, steps=1, eval_every=0, ckpt_every=0), overwrite=True)
+
+
 def test_a_new_run_over_any_run_file_needs_overwrite(tmp_path):
     d = marked(tmp_path / "m", "tokenizer.json", "data.json")
     with pytest.raises(ValueError, match=r"already holds a run \(tokenizer\.json, data\.json\)"):

@@ -415,3 +415,20 @@ def test_a_ctrl_c_during_the_bpe_trainers_merges_takes_effect_before_they_end(tm
     run = subprocess.run([sys.executable, "-c", BPE_INTERRUPTED, str(tmp_path / "c.txt")], capture_output=True,
                          text=True, timeout=300)
     assert run.stdout.split() == ["interrupted", "True"], run.stdout + run.stderr[-2000:]
+
+
+def test_a_linked_folder_inside_a_corpus_folder_is_read_and_a_loop_refused(tmp_path):
+    """Path.rglob does not enter a linked folder: `corpus/wiki -> /data/wiki` was left out of the
+    corpus without a word (review helper-105)."""
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    (corpus / ".hidden").mkdir(parents=True)
+    elsewhere.mkdir()
+    (corpus / "a.txt").write_text("one doc\n\ntwo doc\n")
+    (corpus / ".hidden" / "h.txt").write_text("never read\n")
+    (elsewhere / "z.txt").write_text("linked doc\n")
+    (corpus / "wiki").symlink_to(elsewhere)
+    assert [p.relative_to(corpus).as_posix() for p in text_mod._text_files(corpus)] == ["a.txt", "wiki/z.txt"]
+    assert len(list(text_mod.iter_documents(corpus))) == 3
+    (elsewhere / "back").symlink_to(corpus)  # corpus/wiki/back -> corpus: a loop
+    with pytest.raises(ValueError, match="holds a link back into itself"):
+        text_mod._text_files(corpus)

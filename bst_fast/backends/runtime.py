@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +45,21 @@ def env_count(name: str) -> int:
     if not text.isdigit():
         raise ValueError(f"{name} must be an int >= 0, got {text!r}")
     return int(text)
+
+
+# The least value of each int switch (0 for any other).
+SWITCH_LOWEST = {"triton_chunk_bytes": 1, "torch_chunk_bytes": 1, "torch_cpu_chunk_bytes": 1, "chunk_pairs": 1}
+
+
+def switch_kind(field) -> tuple:
+    """("bool" or "int", whether None is allowed) of a Switches field, from its annotation (a string
+    under `from __future__ import annotations`)."""
+    text = str(field.type).replace(" ", "")
+    optional = text.startswith("Optional[")
+    base = text[len("Optional["):-1] if optional else text
+    if base not in ("bool", "int"):
+        raise TypeError(f"Switches.{field.name}: a switch is a bool or an int (or Optional of one), not {field.type}")
+    return base, optional
 
 
 @dataclass(frozen=True)
@@ -124,21 +140,27 @@ class Switches:
     split_16bit: bool = False
 
     def __post_init__(self):
-        # switched(), a test's or a benchmark's --variant set them in code: a -4 vocab_pad failed deep in
-        # the backend, and a chunk_pairs of -1 ran one pair a chunk, silently (review helper-102)
-        lowest = {"triton_chunk_bytes": 1, "torch_chunk_bytes": 1, "torch_cpu_chunk_bytes": 1, "vocab_pad": 0,
-                  "chunk_pairs": 1, "window_rows": 0}
+        # switched(), a test or a benchmark's --variant set them in code: a -4 vocab_pad failed deep in
+        # the backend, and a chunk_pairs of -1 ran one pair a chunk, silently (review helper-102).
+        # Each field by its annotation: bool, int (>= SWITCH_LOWEST's bound, else 0) or Optional of one.
         for f in dataclasses.fields(self):
-            value, default = getattr(self, f.name), f.default
-            if f.name in lowest:
-                if value is None and default is None:
-                    continue
-                if isinstance(value, bool) or not isinstance(value, int) or value < lowest[f.name]:
-                    raise ValueError(f"switch {f.name} must be {'None or ' if default is None else ''}an int >= "
-                                     f"{lowest[f.name]}, got {value!r}")
-            elif not isinstance(value, bool) and not (value is None and default is None):
-                raise ValueError(f"switch {f.name} must be {'None, ' if default is None else ''}True or False, "
-                                 f"got {value!r}")
+            kind, optional = switch_kind(f)
+            value = getattr(self, f.name)
+            if value is None and optional:
+                continue
+            try:  # numpy's bools and ints as Python's (a config read through numpy)
+                value = bool(value) if kind == "bool" and type(value).__name__ in ("bool_", "bool") \
+                    else operator.index(value) if kind == "int" and not isinstance(value, bool) else value
+            except TypeError:
+                pass
+            lowest = SWITCH_LOWEST.get(f.name, 0)
+            ok = isinstance(value, bool) if kind == "bool" else \
+                isinstance(value, int) and not isinstance(value, bool) and value >= lowest
+            if not ok:
+                want = "True or False" if kind == "bool" else f"an int >= {lowest}"
+                none = ("None, " if kind == "bool" else "None or ") if optional else ""
+                raise ValueError(f"switch {f.name} must be {none}{want}, got {value!r}")
+            object.__setattr__(self, f.name, value)
 
     @classmethod
     def from_environment(cls) -> "Switches":

@@ -262,10 +262,11 @@ def default_workers() -> int:
 _WORKER = None  # a worker process's PieceEncoder
 
 
-def _worker_init(tokenizer_json: str, dtype: str):
+def _worker_init(tokenizer_json: str, dtype: str, parent: int):
     global _WORKER
     import signal
 
+    _die_with(parent)
     # the main process stops the workers (kills them) on an interrupt or SIGTERM: no tracebacks of theirs
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -275,6 +276,23 @@ def _worker_init(tokenizer_json: str, dtype: str):
     from .encode import PieceEncoder
 
     _WORKER = PieceEncoder(_text_only(Tokenizer.from_str(tokenizer_json)), np.dtype(dtype))
+
+
+def _die_with(parent: int):
+    """On Linux, have the kernel kill this worker when the process that started it dies: a SIGKILL
+    (or the OOM killer) of `tokenize` left its workers blocked for ever on the result pipe, which
+    their siblings hold open (review helper-105)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the prctl took effect
+        os._exit(1)
 
 
 def _worker_encode(batch):
@@ -302,7 +320,8 @@ def _encoded(batches, tok, dtype, workers: int):
     # the pool with an error where Pool waited forever for its task, and an interrupt does not hang
     # in Pool.terminate on a batch still being sent to dead workers.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.to_str(), dtype.str))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(tok.to_str(), dtype.str, os.getpid()))
     try:
         pending = collections.deque()
         for batch in batches:

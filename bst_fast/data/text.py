@@ -5,8 +5,10 @@ folders such as .git or .ipynb_checkpoints, whose copies would straddle the spli
 UTF-8 (a leading byte-order mark is dropped; any other encoding is an error naming the file) and
 split at blank lines (one or more lines holding only ASCII spaces, tabs, \r, \f or \v: a line of
 U+00A0 or U+3000 is content; lines end at \n, so a file of \r-only line ends is one line, and a
-CRLF file's \r stays in its documents); each non-empty block is one document, so a file without
-blank lines is a single document. A document becomes rows
+CRLF file's \r stays in its documents); each block is stripped of leading and trailing whitespace
+(Python's str.strip: Unicode spaces such as U+3000 too, so a paragraph's indent on its first line
+goes, and a block of such spaces alone is empty) and each non-empty one is one document, so a file
+without blank lines is a single document. A linked folder inside a folder is searched too. A document becomes rows
 [BOS, x_1, ..., x_T, EOS] of at most max_len tokens: a longer one is cut into consecutive chunks
 of max_len - 2 tokens, each wrapped in its own BOS/EOS (or, with max_doc_tokens, a document longer
 than that is dropped). pack=True then packs these rows several to a row of max_len, pack="split"
@@ -113,8 +115,7 @@ def _text_files(paths) -> list[Path]:
         # os.path's tests, not Path's: they answer False (not an OSError quoting it) for a path too
         # long for the system
         if os.path.isdir(p):
-            found = sorted(q for q in p.rglob("*") if q.suffix.lower() == ".txt" and q.is_file()
-                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            found = _folder_files(p)
             if not found:
                 if is_prepared(p):
                     raise FileNotFoundError(f"no *.txt files under {_shown(p, True)}: it is a prepared corpus "
@@ -146,6 +147,33 @@ def _text_files(paths) -> list[Path]:
                              f"each file is read once (remove the overlap of the paths, or the link)")
         seen[real] = f
     return files
+
+
+def _folder_files(root: Path) -> list[Path]:
+    """The .txt files under `root`, sorted, hidden files and folders skipped. A linked folder inside
+    it is read as a folder (Path.rglob does not enter one: `corpus/wiki -> /data/wiki` was left out,
+    silently); a link to a folder on the walk's own path (a cycle) is refused, and a folder that
+    cannot be read raises (os.walk skips it silently by default)."""
+    found = []
+    chains = {os.path.normpath(root): (os.path.realpath(root),)}  # each folder's real path and its ancestors'
+    for top, dirs, names in os.walk(root, followlinks=True, onerror=_raise):
+        chain = chains.pop(os.path.normpath(top))
+        for d in list(dirs):
+            if d.startswith("."):
+                dirs.remove(d)
+                continue
+            there = os.path.realpath(os.path.join(top, d))
+            chains[os.path.normpath(os.path.join(top, d))] = chain + (there,)
+            if there in chain:
+                raise ValueError(f"the data folder {_shown(root, True)} holds a link back into itself: "
+                                 f"{_shown(os.path.join(top, d), True)} -> {_shown(there, True)}")
+        found += [Path(top) / n for n in names
+                  if not n.startswith(".") and Path(n).suffix.lower() == ".txt" and os.path.isfile(os.path.join(top, n))]
+    return sorted(found)
+
+
+def _raise(error: OSError):
+    raise error
 
 
 def _special_kind(path) -> str:

@@ -41,11 +41,14 @@ def act(z, ACT: tl.constexpr):
         return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == 3:
         # 0.5 (1 + tanh(u)) = sigmoid(2u): no 1 + t cancelling in the negative tail (1 - 2 / (1 + e^{2u})
-        # lost 2e-3 relative at z = -4, 5x torch's error); the clamp keeps e^{-2u} finite
+        # lost 2e-3 relative at z = -4, 5x torch's error). No clamp: far in the tail e^{-2u} is inf and
+        # the value -0 (a clamp kept sigmoid at 1.8e-35, so z^3-sized terms leaked through)
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        return z / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
+        return z / (1.0 + tl.exp(-2.0 * u))
     elif ACT == 4:
-        return z / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+        # no clamp of e^{-z} (as gelu_tanh): a clamp at e^80 left sigmoid at 1.8e-35, so the gradient's
+        # z (1 - s) s grew with z far in the tail (-1.4e-6 at z = -7.8e28, torch: -0)
+        return z / (1.0 + tl.exp(-z))
     else:
         return z
 
@@ -65,13 +68,14 @@ def act_grad(z, ACT: tl.constexpr):
         # with s = sigmoid(2u) = 0.5 (1 + tanh u): 0.5 (1 - tanh^2 u) = 2 s (1 - s). In the negative tail s
         # is small and exact, 1 - s near 1; near s = 1 the rounding of 1 - s is ulp(1) of a derivative
         # near 1. (e^{-2u} s for 1 - s is exact everywhere, but one more live value spilled
-        # prefix_grad_kernel at 168 registers on sm_90.)
+        # prefix_grad_kernel at 168 registers on sm_90.) Where s underflows to 0 the derivative is 0
+        # (0 * u' would be NaN once z^2 overflows); a NaN z keeps its NaN.
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        s = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
+        s = 1.0 / (1.0 + tl.exp(-2.0 * u))
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        return s + 2.0 * z * s * (1.0 - s) * du
+        return tl.where(s == 0.0, 0.0, s + 2.0 * z * s * (1.0 - s) * du)
     elif ACT == 4:
-        s = 1.0 / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+        s = 1.0 / (1.0 + tl.exp(-z))
         return s * (1.0 + z * (1.0 - s))
     else:
         return 1.0
