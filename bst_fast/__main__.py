@@ -459,8 +459,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         # no checkpoint is written on an interrupt: a run resumes from its last saved one
         training = args.command in ("train", "star", "table")
-        print("interrupted" + (" (--resume continues from the latest checkpoint; the steps since it run again)"
-                               if training else ""), file=sys.stderr)
+        print("interrupted" + (" (--resume continues from the latest checkpoint, if one was written; the steps "
+                               "since it run again)" if training else ""), file=sys.stderr)
         return 130
     return 0
 

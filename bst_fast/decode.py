@@ -17,7 +17,6 @@ encoder steps); tests implement it with hand-set probability tables.
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import numbers
 from typing import Iterable, List, NamedTuple, Optional, Sequence
@@ -28,27 +27,7 @@ from torch import nn
 
 from ._checks import ArgumentTypeError, TokenIdError, check_int, short
 from ._pairs import ID_DTYPES, check_rows, full_lengths, id_dtype_ok
-
-
-def _inference(fn):
-    """A decoder run under torch.no_grad with the model (its first argument) in eval mode, so that
-    dropout does not make greedy decoding or beam search random; every submodule's own mode is
-    restored afterwards (a model handed over in training mode keeps training)."""
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        module = model if isinstance(model, nn.Module) else getattr(model, "model", None)  # or a searcher's
-        modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
-        if modes:
-            module.eval()
-        try:
-            with torch.no_grad():
-                return fn(model, *args, **kwargs)
-        finally:
-            # train(mode), not the attribute: a module's own train() may do more; parents first, so
-            # each submodule ends in its own mode
-            for m, training in modes:
-                m.train(training)
-    return run
+from .model import inference
 
 
 def _tensor(x, name) -> torch.Tensor:
@@ -253,7 +232,7 @@ def _check_goal_room(model, goal):
 
 # ---------------------------------------------------------------- sampling
 
-@_inference
+@inference
 def sample(model, prefix, n_new: int, eos_id: Optional[int] = None, *, temperature: float = 1.0,
            top_k: Optional[int] = None, goal=(), generator: Optional[torch.Generator] = None,
            stop_token: Optional[int] = None):
@@ -329,7 +308,7 @@ class Plan(NamedTuple):
     scores: torch.Tensor            # (n,) log of the goal score of each candidate
 
 
-@_inference
+@inference
 def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id: Optional[int] = None,
          score_last: Optional[int] = None) -> Plan:
     """The paper's Algorithm 1 (goal-conditioned planning), or with an empty goal its unconditional
@@ -409,7 +388,7 @@ def plan(model, prompt, goal=(), horizon: int = 32, rollouts: int = 120, eos_id:
 
 # ---------------------------------------------------------------- beam search
 
-@_inference
+@inference
 def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Optional[int] = None):
     """The paper's "Beam Search" algorithm: keep the `beams` most probable continuations at each
     depth, scored by the product of Next-head probabilities (a BST reads the goal as suffix; a FIM
@@ -450,7 +429,7 @@ def beam_search(model, prompt, n_new: int, beams: int = 120, goal=(), eos_id: Op
 
 # ---------------------------------------------------------------- belief states and probes
 
-@_inference
+@inference
 def belief_states(model, tokens, lengths=None):
     """f at the end of each row's prefix: (B, L) tokens, (B,) lengths (default: full rows) -> (B, m).
     Works for a BST and a forward-only model (both have `forward_encoder`)."""

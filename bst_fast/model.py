@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import List, Union
@@ -17,7 +18,6 @@ from .head import ResidualSwiGLUHead, TextHead, text_head_problem
 from ._checks import TokenIdError, check_int, plain_number, short
 from ._pairs import _as_row_vector, _raise_start, check_documents, full_lengths, host_known, id_dtype_ok
 from .backends import under_torch_func
-from .decode import _inference
 from .loss import belief_state_loss
 
 HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGLUHead
@@ -26,6 +26,27 @@ HEAD_TYPES = ("mlp", "swiglu")  # ModelConfig.head_type: TextHead, ResidualSwiGL
 ATTENTIONS = ("sdpa", "flex")
 FLEX_ON_CPU = ("model.attention 'flex' trains on a CUDA GPU only (torch's flex_attention has no backward on the "
                "CPU): use 'sdpa' there")
+
+
+def inference(fn):
+    """A decoder run under torch.no_grad with the model (its first argument) in eval mode, so that
+    dropout does not make greedy decoding or beam search random; every submodule's own mode is
+    restored afterwards (a model handed over in training mode keeps training)."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        module = model if isinstance(model, nn.Module) else getattr(model, "model", None)  # or a searcher's
+        modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
+        if modes:
+            module.eval()
+        try:
+            with torch.no_grad():
+                return fn(model, *args, **kwargs)
+        finally:
+            # train(mode), not the attribute: a module's own train() may do more; parents first, so
+            # each submodule ends in its own mode
+            for m, training in modes:
+                m.train(training)
+    return run
 
 
 @dataclass
@@ -570,7 +591,7 @@ class Teacherless(ForwardOnly):
         loss = next_token_loss(self.lm_head, f, tokens, lengths, prefix_start, token_total)
         return {"total": loss, "gpt": loss, "belief": None}
 
-    @_inference
+    @inference
     def generate(self, prefix, n_new: int):
         """One forward pass over the prompt and n_new - 1 dummies: (B, P) or (P,) -> (B, n_new), the
         model in eval mode as every decoder runs it (no EOS: the answer is n_new tokens long)."""

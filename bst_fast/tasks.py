@@ -288,8 +288,8 @@ class TextTask:
                 if weights is not None:
                     raise ValueError(f"--resume: the mixture's corpora are this run's, but not its weights, normalised: "
                                      f"then {weights[0]}, now {weights[1]}; give the run's weights to resume it exactly")
-                forms = [x.get("format", "raw text") if isinstance(x, dict) and "mixture" not in x else None
-                         for x in (then, now)]
+                forms = [{"prepared": "a prepared corpus"}.get(x.get("format"), x.get("format", "raw text"))
+                         if isinstance(x, dict) and "mixture" not in x else None for x in (then, now)]
                 if forms[0] != forms[1] and None not in forms:  # fingerprints of two kinds: never equal
                     raise ValueError(f"--resume: this run was trained on {forms[0]} and data now names {forms[1]} "
                                      f"({cfg.data}): a resume reads its corpus in the form it was trained on "

@@ -1171,3 +1171,51 @@ def test_relu_keeps_a_nan_state_and_gelu_tanh_holds_its_negative_tail():
     got, want = grads(torch.float32, "triton"), grads(torch.float64, "reference")
     assert got[2][0].abs().max() == 0 and want[2][0].abs().max() == 0
     assert max(_rel(g, r) for g, r in zip(got, want)) < 1e-5
+
+
+import triton.language as tl  # noqa: E402
+
+from bst_fast.kernels.activation import act, act_grad  # noqa: E402
+
+
+@triton.jit
+def _pointwise(Z, Y, G, n, A: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    z = tl.load(Z + o, mask=m)
+    tl.store(Y + o, act(z, A), mask=m)
+    tl.store(G + o, act_grad(z, A), mask=m)
+
+
+def test_activations_over_the_float32_line():
+    """The kernels' activations at the ends of the float32 line (reviews helper-106, -108): far in
+    gelu_tanh's and silu's tails the value is 0 and so is the derivative (a clamp of e^{-x} left
+    z^3-sized and z-sized terms there), gelu_tanh's derivative is 1 where z^2 overflows (0 * inf was
+    NaN), relu keeps a NaN; near 0 each matches float64 to float32 rounding."""
+    import numpy as np
+
+    from bst_fast.kernels.activation import ACT
+
+    def run(name, values):
+        z = torch.tensor(values, dtype=torch.float32)
+        y, g = torch.empty_like(z), torch.empty_like(z)
+        with np.errstate(over="ignore", invalid="ignore"):
+            _pointwise[(1,)](z, y, g, z.numel(), A=ACT[name], BLOCK=triton.next_power_of_2(z.numel()))
+        return y, g
+
+    y, g = run("gelu_tanh", [-3e38, -1e20, -1e12, -100.0, 1e20, 3e38])
+    assert torch.equal(y[:4].abs(), torch.zeros(4)) and torch.equal(g, torch.tensor([0.0, 0, 0, 0, 1, 1]))
+    assert torch.equal(y[4:], torch.tensor([1e20, 3e38]))
+    y, g = run("silu", [-3e38, -1e30, -100.0, 1e30])
+    assert torch.equal(y[:3].abs(), torch.zeros(3)) and torch.equal(g, torch.tensor([0.0, 0, 0, 1]))
+    y, g = run("relu", [float("nan"), -1.0, 2.0])
+    assert y[0].isnan() and torch.equal(y[1:], torch.tensor([0.0, 2.0])) and torch.equal(g, torch.tensor([1.0, 0, 1]))
+    z = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    for name in ("gelu_tanh", "silu", "gelu"):
+        x = z.clone().requires_grad_()
+        f = {"gelu_tanh": lambda t: t * torch.sigmoid(2 * 0.7978845608028654 * (t + 0.044715 * t ** 3)),
+             "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[name]
+        want = f(x)
+        (dwant,) = torch.autograd.grad(want.sum(), x)
+        y, g = run(name, z.tolist())
+        assert (y.double() - want).abs().max() < 1e-5 and (g.double() - dwant).abs().max() < 1e-5, name

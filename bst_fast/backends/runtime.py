@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import os
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,14 +54,20 @@ SWITCH_LOWEST = {"triton_chunk_bytes": 1, "torch_chunk_bytes": 1, "torch_cpu_chu
 
 
 def switch_kind(field) -> tuple:
-    """("bool" or "int", whether None is allowed) of a Switches field, from its annotation (a string
-    under `from __future__ import annotations`)."""
-    text = str(field.type).replace(" ", "")
-    optional = text.startswith("Optional[")
-    base = text[len("Optional["):-1] if optional else text
-    if base not in ("bool", "int"):
-        raise TypeError(f"Switches.{field.name}: a switch is a bool or an int (or Optional of one), not {field.type}")
-    return base, optional
+    """("bool" or "int", whether None is allowed) of a Switches field, from its type hint (resolved,
+    so that a string annotation and a typing object read alike)."""
+    hint = _switch_hints()[field.name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), None) if optional and len(args) == 2 else hint
+    if base not in (bool, int):
+        raise TypeError(f"Switches.{field.name}: a switch is a bool or an int (or Optional of one), not {hint}")
+    return base.__name__, optional
+
+
+@functools.lru_cache(maxsize=None)
+def _switch_hints() -> dict:
+    return typing.get_type_hints(Switches)
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,9 @@ def _folder_files(root: Path) -> list[Path]:
             there = os.path.realpath(os.path.join(top, d))
             chains[os.path.normpath(os.path.join(top, d))] = chain + (there,)
             if there in chain:
-                raise ValueError(f"the data folder {_shown(root, True)} holds a link back into itself: "
-                                 f"{_shown(os.path.join(top, d), True)} -> {_shown(there, True)}")
+                raise ValueError(f"the data folder {_shown(root, True)} reaches a link cycle: "
+                                 f"{_shown(os.path.join(top, d), True)} -> {_shown(there, True)}, a folder that "
+                                 f"path is already inside")
         found += [Path(top) / n for n in names
                   if not n.startswith(".") and Path(n).suffix.lower() == ".txt" and os.path.isfile(os.path.join(top, n))]
     return sorted(found)

@@ -68,12 +68,13 @@ def act_grad(z, ACT: tl.constexpr):
         # with s = sigmoid(2u) = 0.5 (1 + tanh u): 0.5 (1 - tanh^2 u) = 2 s (1 - s). In the negative tail s
         # is small and exact, 1 - s near 1; near s = 1 the rounding of 1 - s is ulp(1) of a derivative
         # near 1. (e^{-2u} s for 1 - s is exact everywhere, but one more live value spilled
-        # prefix_grad_kernel at 168 registers on sm_90.) Where s underflows to 0 the derivative is 0
-        # (0 * u' would be NaN once z^2 overflows); a NaN z keeps its NaN.
+        # prefix_grad_kernel at 168 registers on sm_90.) Where s is 0 or 1 the derivative is s (the
+        # product's 0 times u' would be NaN once z^2 overflows); a NaN z keeps its NaN.
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         s = 1.0 / (1.0 + tl.exp(-2.0 * u))
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        return tl.where(s == 0.0, 0.0, s + 2.0 * z * s * (1.0 - s) * du)
+        w = s * (1.0 - s)  # 0 exactly where s is 0 or 1
+        return tl.where(w == 0.0, s, s + 2.0 * z * w * du)
     elif ACT == 4:
         s = 1.0 / (1.0 + tl.exp(-z))
         return s * (1.0 + z * (1.0 - s))
