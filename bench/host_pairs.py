@@ -5,32 +5,59 @@ device stands in for the GPU (nothing is read back from it), so only the host's 
 
     python bench/host_pairs.py OUT.json
 """
-import time, statistics, torch, json, sys
-from bst_fast import _pairs
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# bench/ off sys.path (its profile.py would shadow the standard library's, which torch imports); the
+# repository's bst_fast first
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bst_fast import _pairs  # noqa: E402
+
 META = torch.device("meta")
-out = {}
-for threads in (1, 2):
-    torch.set_num_threads(threads)
-    for B in (32, 256):
-        T, frac = 256, 0.02
-        lengths = torch.full((B,), T); start = torch.zeros(B, dtype=torch.long)
-        f = torch.empty(B, T, 768, device=META); tokens = torch.empty(B, T, dtype=torch.long, device=META)
-        samp, prep, lst = [], [], []
-        for rep in range(15):
-            g = torch.Generator().manual_seed(rep)
-            t0 = time.perf_counter()
-            p = _pairs.prepare(f, f, tokens, 1000, lengths=lengths, prefix_start=0, min_gap=2, max_gap=None, pairs=frac,
-                               next_weight=0.5, reduction="mean", generator=g, op_checks=True, host_pairs=True)
-            t1 = time.perf_counter()
-            _pairs.pair_list(p, B, T, 40000, device=META)
-            t2 = time.perf_counter()
-            kk = torch.full((B,), int(p.row.numel()) // B)
-            t3 = time.perf_counter()
-            torch.ops.bst_fast.sample_pairs(lengths, start, 2, T, kk, rep)
-            t4 = time.perf_counter()
-            prep.append((t1 - t0) * 1e3); lst.append((t2 - t1) * 1e3); samp.append((t4 - t3) * 1e3)
-        key = f"B={B} threads={threads}"
-        out[key] = dict(pairs=int(p.row.numel()), sampler_ms=statistics.median(samp), prepare_ms=statistics.median(prep),
-                        pair_list_ms=statistics.median(lst))
-        print(key, {k: round(v, 2) if isinstance(v, float) else v for k, v in out[key].items()}, flush=True)
-json.dump(out, open(sys.argv[1], "w"), indent=1)
+T, FRACTION, REPS = 256, 0.02, 15
+CHUNK = 40000  # pairs a chunk, about the triton backend's at the paper's shape
+
+
+def median_ms(times):
+    return statistics.median(times) * 1e3
+
+
+def main(out_path):
+    out = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for B in (32, 256):
+            lengths, start = torch.full((B,), T), torch.zeros(B, dtype=torch.long)
+            f = torch.empty(B, T, 768, device=META)
+            tokens = torch.empty(B, T, dtype=torch.long, device=META)
+            sampler, prepare, listing = [], [], []
+            for rep in range(REPS):
+                t0 = time.perf_counter()
+                p = _pairs.prepare(f, f, tokens, 1000, lengths=lengths, prefix_start=0, min_gap=2, max_gap=None,
+                                   pairs=FRACTION, next_weight=0.5, reduction="mean",
+                                   generator=torch.Generator().manual_seed(rep), op_checks=True, host_pairs=True)
+                t1 = time.perf_counter()
+                _pairs.pair_list(p, B, T, CHUNK, device=META)
+                t2 = time.perf_counter()
+                k = torch.full((B,), p.row.numel() // B)  # the sampler alone, the same draw sizes
+                torch.ops.bst_fast.sample_pairs(lengths, start, 2, T, k, rep)
+                t3 = time.perf_counter()
+                prepare.append(t1 - t0)
+                listing.append(t2 - t1)
+                sampler.append(t3 - t2)
+            key = f"B={B} threads={threads}"
+            out[key] = dict(pairs=int(p.row.numel()), sampler_ms=median_ms(sampler), prepare_ms=median_ms(prepare),
+                            pair_list_ms=median_ms(listing))
+            print(key, {k: round(v, 2) for k, v in out[key].items()}, flush=True)
+    Path(out_path).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

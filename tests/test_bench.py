@@ -596,3 +596,17 @@ def test_memory_model_of_the_torch_backend_sees_no_table_of_the_whole_batch(tmp_
     tables = 16 * L * 2 * (2 * H * 4 * 2 + 2 * m * (2 + 4))  # [gate | up] and [f ; 0] tables and their sums, both sides
     assert grew < expected + tables / 4, (grew, expected, tables)
     assert large < small < 1
+
+
+def test_host_pairs_times_the_host_work_of_a_subsample(tmp_path):
+    """bench/host_pairs.py: each row draws k_r = round(0.02 * 32385) = 648 pairs of a full T = 256 row."""
+    pytest.importorskip("bst_fast._C")
+    out = tmp_path / "host.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_pairs.py"), str(out)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert set(got) == {f"B={B} threads={t}" for B in (32, 256) for t in (1, 2)}
+    for key, row in got.items():
+        assert row["pairs"] == 648 * int(key.split()[0][2:])
+        assert all(row[k] > 0 for k in ("sampler_ms", "prepare_ms", "pair_list_ms"))
