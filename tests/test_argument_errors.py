@@ -3,6 +3,7 @@ token id outside the vocabulary is an IndexError and a ValueError wherever it is
 raised ValueError, the model and the loss IndexError); an argument of the wrong type a TypeError
 and a ValueError; a missing checkpoint a FileNotFoundError and a ValueError."""
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,9 @@ def test_switches_set_in_code_are_checked(changes, message):
     assert [runtime.switch_kind(f) for f in dataclasses.fields(runtime.Switches)
             if f.name in ("triton_ops", "chunk_pairs", "vocab_pad", "fused_ce")] == \
         [("int", True), ("bool", True), ("int", False), ("bool", False)]
+    # and a subclass's own fields by its own hints (they were read from Switches': review helper-109)
+    More = dataclasses.make_dataclass("More", [("extra", bool, False), ("vocab_pad", typing.Optional[int], None)],
+                                      bases=(runtime.Switches,), frozen=True)
+    assert More().extra is False and More(vocab_pad=None).vocab_pad is None
+    with pytest.raises(ValueError, match="switch extra must be True or False, got 1"):
+        More(extra=1)

@@ -1218,4 +1218,7 @@ def test_activations_over_the_float32_line():
         want = f(x)
         (dwant,) = torch.autograd.grad(want.sum(), x)
         y, g = run(name, z.tolist())
-        assert (y.double() - want).abs().max() < 1e-5 and (g.double() - dwant).abs().max() < 1e-5, name
+        # relative, with a floor of float32 rounding near 0: the cancelling 1 + tanh form's derivative,
+        # 1.6e-6 off where it is far smaller, fails this (an absolute 1e-5 let it pass: review helper-109)
+        for got, exact in ((y, want), (g, dwant)):
+            assert ((got.double() - exact).abs() <= 1e-5 * exact.abs() + 2e-7).all(), name

@@ -53,10 +53,10 @@ def env_count(name: str) -> int:
 SWITCH_LOWEST = {"triton_chunk_bytes": 1, "torch_chunk_bytes": 1, "torch_cpu_chunk_bytes": 1, "chunk_pairs": 1}
 
 
-def switch_kind(field) -> tuple:
-    """("bool" or "int", whether None is allowed) of a Switches field, from its type hint (resolved,
-    so that a string annotation and a typing object read alike)."""
-    hint = _switch_hints()[field.name]
+def switch_kind(field, cls=None) -> tuple:
+    """("bool" or "int", whether None is allowed) of a field of Switches (or of `cls`, a subclass),
+    from its type hint (resolved, so that a string annotation and a typing object read alike)."""
+    hint = _switch_hints(cls or Switches)[field.name]
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), None) if optional and len(args) == 2 else hint
@@ -66,8 +66,8 @@ def switch_kind(field) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _switch_hints() -> dict:
-    return typing.get_type_hints(Switches)
+def _switch_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class Switches:
         # the backend, and a chunk_pairs of -1 ran one pair a chunk, silently (review helper-102).
         # Each field by its annotation: bool, int (>= SWITCH_LOWEST's bound, else 0) or Optional of one.
         for f in dataclasses.fields(self):
-            kind, optional = switch_kind(f)
+            kind, optional = switch_kind(f, type(self))
             value = getattr(self, f.name)
             if value is None and optional:
                 continue
