@@ -109,6 +109,10 @@ class TrainConfig:
     # --- runtime ---
     device: str = "auto"  # "auto", "cpu" or "cuda"
     compile: bool = False  # torch.compile the encoders
+    # DDP: seconds a rank waits in a collective for the others before the run fails (a frozen rank holds
+    # the rest that long); 0: torch's default (30 min on gloo). Rank 0 evaluates and saves while the
+    # others wait: keep it above what an evaluation or a checkpoint save takes. A resume may change it
+    ddp_timeout: float = 0.0
     seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
     out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard (the default for text runs too: set it)
     eval_every: int = 250  # steps between evaluations (and at the end); 0: only at the end
@@ -263,6 +267,8 @@ class TrainConfig:
         if self.data == "star" and self.method == "bst" and self.next_weight == 0 and self.gamma == 0:
             bad("next_weight", "> 0, or gamma > 0, for a star-graph BST (its evaluation decodes paths with the "
                 "Next head, or the GPT head when next_weight is 0: with both 0 neither is trained)")
+        if not 0 <= self.ddp_timeout < 1e9:  # timedelta takes up to about 2.7e12 s; a billion is 30 years
+            bad("ddp_timeout", "a number of seconds >= 0 (0: torch's default) and below 1e9")
         for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
             if not math.isfinite(getattr(self, name)):
                 bad(name, "a finite number")
@@ -500,13 +506,14 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any]) -> TrainConf
 # Not n_test: the star-graph test set, and so what training excludes, depends on it.
 RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "keep_best", "log_every",
                      "progress", "device", "compile", "out_dir", "backend", "model.activation_checkpointing",
+                     "ddp_timeout",
                      # the same batch in other micro-batches (a resume that runs out of memory): the same
                      # numbers up to rounding, or with pairs < 1 or dropout another draw, as another number of ranks is
                      "grad_accum")
 # Of those, the ones that leave even the numbers of the trajectory as they were (evaluation draws no
 # randomness: every step's seeds are functions of (seed, step)): a resumed run retraces its steps.
 SAME_TRAJECTORY_CHANGES = ("eval_every", "ckpt_every", "keep_checkpoints", "keep_best", "log_every", "progress",
-                           "out_dir", "model.activation_checkpointing")  # its numbers are the same (eager mode)
+                           "out_dir", "model.activation_checkpointing", "ddp_timeout")  # its numbers are the same (eager mode)
 # Of those, the ones that change what an evaluation scores: a figure made under other values (a best
 # checkpoint's) is not comparable, whatever the trajectory.
 EVALUATION_CHANGES = ("eval_batches",)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import sys
@@ -300,7 +301,8 @@ def _world() -> int:
 def _device(cfg: TrainConfig, world: int) -> str:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        timeout = {"timeout": datetime.timedelta(seconds=cfg.ddp_timeout)} if cfg.ddp_timeout else {}
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", **timeout)
         # Kept for later calls in this process (a group started anew under torchrun could hang in
         # its rendezvous) and ended at exit: left to the interpreter's teardown, gloo aborted in
         # about one run in fifteen (docs/results.md, DDP). The CLI ends it earlier (end_process_group).

@@ -60,7 +60,8 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
     case takes two micro-batches a step (grad_accum 2): DDP must average at the last one (review
     helper-78: averaging at the first left the ranks 0.92 apart, unseen with grad_accum 1). The
     swiglu case's DDP ranks recompute their encoder blocks in the backward
-    (model.activation_checkpointing), the one process does not: the same numbers under DDP too."""
+    (model.activation_checkpointing), the one process does not: the same numbers under DDP too. The
+    ranks' process group has its own timeout (ddp_timeout)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     accum = 2 if head_type == "mlp" else 1
     sets = ["--set", "ckpt_every=0", "--set", f"model.head_type={head_type}", "--set", f"grad_accum={accum}"]
@@ -69,7 +70,7 @@ def test_ddp_two_processes_equal_one(tmp_path, head_type):
                    timeout=300)
     legs = tmp_path / "legs.py"
     legs.write_text("import bst_fast, sys\n"
-                    f"kw = dict(ckpt_every=0, grad_accum={accum}, out_dir={str(tmp_path / 'two')!r}, "
+                    f"kw = dict(ckpt_every=0, grad_accum={accum}, out_dir={str(tmp_path / 'two')!r}, ddp_timeout=240, "
                     f"**{{'model.head_type': {head_type!r}, 'model.activation_checkpointing': {head_type == 'swiglu'}}})\n"
                     f"bst_fast.train({str(TINY)!r}, stop_at=5, **kw)\n"
                     f"bst_fast.train({str(TINY)!r}, resume=True, **kw)\n" + DDP_SCRIPT_END)

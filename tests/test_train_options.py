@@ -427,3 +427,29 @@ def test_weight_decay_falls_on_matrices_only(tmp_path):
         assert want == (0.05 if p.dim() >= 2 else 0.0), name  # the rule: matrices decay
         assert decay[id(p)] == want, (name, decay[id(p)])
     assert any(n.endswith("bias") for n in named) and norms
+
+
+def test_ddp_timeout_reaches_the_process_group_and_a_resume_may_change_it(tmp_path, monkeypatch):
+    """A frozen rank held the others for torch's default timeout (30 min on gloo), with no way to
+    shorten it: ddp_timeout (seconds; 0 keeps torch's default) is the process group's timeout."""
+    import datetime
+
+    from bst_fast import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer.dist, "init_process_group", lambda backend, **kw: seen.append((backend, kw)))
+    monkeypatch.setattr(trainer.atexit, "register", lambda fn: None)
+    monkeypatch.setitem(trainer._GROUP, "started", None)
+    trainer._device(tiny(tmp_path, device="cpu", batch_size=4, ddp_timeout=90), 2)
+    trainer._device(tiny(tmp_path, device="cpu", batch_size=4), 2)
+    assert seen == [("gloo", {"timeout": datetime.timedelta(seconds=90)}), ("gloo", {})]
+    monkeypatch.setitem(trainer._GROUP, "started", None)
+    monkeypatch.undo()
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="config field 'ddp_timeout' must be a number of seconds >= 0"):
+            tiny(tmp_path, ddp_timeout=bad).check()
+    d = tmp_path / "run"
+    train(tiny(d, steps=2, eval_every=0, ckpt_every=0))
+    train(tiny(d, steps=3, eval_every=0, ckpt_every=0, ddp_timeout=60), resume=True)
+    assert load_model(d)[1].ddp_timeout == 60
