@@ -110,8 +110,9 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     compile: bool = False  # torch.compile the encoders
     # DDP: seconds a rank waits in a collective for the others before the run fails (a frozen rank holds
-    # the rest that long); 0: torch's default (30 min on gloo). Rank 0 evaluates and saves while the
-    # others wait: keep it above what an evaluation or a checkpoint save takes. A resume may change it
+    # the rest that long); 0: torch's default (30 min on gloo). Rank 0 saves checkpoints while the others
+    # wait: keep it above what a save takes. A resume in a new process may change it (a process's group,
+    # once made, keeps its timeout)
     ddp_timeout: float = 0.0
     seed: int = 0  # data order, pair samples and dropout are all functions of (seed, step)
     out_dir: str = "runs/star"  # checkpoints, metrics.csv, tensorboard (the default for text runs too: set it)
@@ -267,8 +268,10 @@ class TrainConfig:
         if self.data == "star" and self.method == "bst" and self.next_weight == 0 and self.gamma == 0:
             bad("next_weight", "> 0, or gamma > 0, for a star-graph BST (its evaluation decodes paths with the "
                 "Next head, or the GPT head when next_weight is 0: with both 0 neither is trained)")
-        if not 0 <= self.ddp_timeout < 1e9:  # timedelta takes up to about 2.7e12 s; a billion is 30 years
-            bad("ddp_timeout", "a number of seconds >= 0 (0: torch's default) and below 1e9")
+        # timedelta takes up to about 2.7e12 s (a billion is 30 years); under a second the group's own
+        # rendezvous times out (0.0005 s failed at start with a C++ stack dump)
+        if not (self.ddp_timeout == 0 or 1 <= self.ddp_timeout < 1e9):
+            bad("ddp_timeout", "0 (torch's default) or a number of seconds from 1 to below 1e9")
         for name in ("lr", "grad_clip", "weight_decay"):  # the other floats' ranges refuse nan and inf
             if not math.isfinite(getattr(self, name)):
                 bad(name, "a finite number")

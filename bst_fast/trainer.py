@@ -253,7 +253,11 @@ def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
     return loss
 
 
-_GROUP = {"started": None}  # the process group train() started, if any
+_GROUP = {"started": None, "timeout": 0.0}  # the process group train() started, if any, and its ddp_timeout
+
+
+def _rank_is_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def end_process_group() -> bool:
@@ -303,11 +307,20 @@ def _device(cfg: TrainConfig, world: int) -> str:
     if world > 1 and not dist.is_initialized():
         timeout = {"timeout": datetime.timedelta(seconds=cfg.ddp_timeout)} if cfg.ddp_timeout else {}
         dist.init_process_group("nccl" if device == "cuda" else "gloo", **timeout)
+        _GROUP["timeout"] = cfg.ddp_timeout
         # Kept for later calls in this process (a group started anew under torchrun could hang in
         # its rendezvous) and ended at exit: left to the interpreter's teardown, gloo aborted in
         # about one run in fifteen (docs/results.md, DDP). The CLI ends it earlier (end_process_group).
         _GROUP["started"] = dist.group.WORLD
         atexit.register(end_process_group)
+    elif world > 1 and (dist.group.WORLD is not _GROUP["started"] and cfg.ddp_timeout
+                        or dist.group.WORLD is _GROUP["started"] and cfg.ddp_timeout != _GROUP.get("timeout")):
+        # a group outlives the train() call that made it (or the user made it): its timeout is fixed
+        made = (f"by an earlier train() call with ddp_timeout {_GROUP.get('timeout') or 0}"
+                if dist.group.WORLD is _GROUP["started"] else "outside train()")
+        if _rank_is_zero():
+            print(f"warning: config field 'ddp_timeout' ({cfg.ddp_timeout}) does not apply: this process's DDP group, "
+                  f"started {made}, keeps its own timeout", file=sys.stderr, flush=True)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("config field 'device' is 'cuda', but this torch sees no CUDA device "
@@ -618,6 +631,12 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
                 run.n_sum += 1
             run.n_timed += 1
             _close_interval(run, step + 1, end, lr)
+    except RuntimeError as e:
+        if run.world > 1 and "timed out" in str(e).lower():  # gloo's and NCCL's words for a collective's timeout
+            raise RuntimeError(f"{e} (DDP: this rank waited past the process group's timeout for another: a rank "
+                               f"froze or died, or rank 0's checkpoint save took longer; config field "
+                               f"ddp_timeout, {cfg.ddp_timeout or 'torch default'} s here, sets it)") from e
+        raise
     finally:
         run.close()
     if run.world > 1:

@@ -429,7 +429,7 @@ def test_weight_decay_falls_on_matrices_only(tmp_path):
     assert any(n.endswith("bias") for n in named) and norms
 
 
-def test_ddp_timeout_reaches_the_process_group_and_a_resume_may_change_it(tmp_path, monkeypatch):
+def test_ddp_timeout_reaches_the_process_group_and_a_resume_may_change_it(tmp_path, monkeypatch, capsys):
     """A frozen rank held the others for torch's default timeout (30 min on gloo), with no way to
     shorten it: ddp_timeout (seconds; 0 keeps torch's default) is the process group's timeout."""
     import datetime
@@ -444,10 +444,18 @@ def test_ddp_timeout_reaches_the_process_group_and_a_resume_may_change_it(tmp_pa
     trainer._device(tiny(tmp_path, device="cpu", batch_size=4, ddp_timeout=90), 2)
     trainer._device(tiny(tmp_path, device="cpu", batch_size=4), 2)
     assert seen == [("gloo", {"timeout": datetime.timedelta(seconds=90)}), ("gloo", {})]
-    monkeypatch.setitem(trainer._GROUP, "started", None)
+    # a later call in the same process finds the group made: its timeout cannot change, and says so
+    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer.dist, "get_rank", lambda: 0)
+    trainer._device(tiny(tmp_path, device="cpu", batch_size=4, ddp_timeout=5), 2)
+    assert len(seen) == 2
+    assert "config field 'ddp_timeout' (5.0) does not apply: this process's DDP group, started by an earlier " \
+        "train() call with ddp_timeout 0, keeps its own timeout" in capsys.readouterr().err
+    trainer._device(tiny(tmp_path, device="cpu", batch_size=4), 2)  # the group's own value: nothing to say
+    assert capsys.readouterr().err == ""
     monkeypatch.undo()
-    for bad in (-1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="config field 'ddp_timeout' must be a number of seconds >= 0"):
+    for bad in (-1, 0.0005, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"config field 'ddp_timeout' must be 0 \(torch's default\) or a number"):
             tiny(tmp_path, ddp_timeout=bad).check()
     d = tmp_path / "run"
     train(tiny(d, steps=2, eval_every=0, ckpt_every=0))

@@ -1218,7 +1218,9 @@ def test_activations_over_the_float32_line():
         want = f(x)
         (dwant,) = torch.autograd.grad(want.sum(), x)
         y, g = run(name, z.tolist())
-        # relative, with a floor of float32 rounding near 0: the cancelling 1 + tanh form's derivative,
-        # 1.6e-6 off where it is far smaller, fails this (an absolute 1e-5 let it pass: review helper-109)
+        # relative, with a floor of float32 rounding: the cancelling 1 + tanh form's derivative, 1.6e-6
+        # off where it is far smaller, fails this (an absolute 1e-5 let it pass: review helper-109). The
+        # floor grows with |z|: gelu's value near erf = -1 moves |z| / 2 times an ulp of erf (a GPU's erf
+        # within 2 ulp would pass; review helper-111)
         for got, exact in ((y, want), (g, dwant)):
-            assert ((got.double() - exact).abs() <= 1e-5 * exact.abs() + 2e-7).all(), name
+            assert ((got.double() - exact).abs() <= 1e-5 * exact.abs() + 2e-7 + 1.5e-7 * z.abs()).all(), name
