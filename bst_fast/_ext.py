@@ -25,7 +25,8 @@ def problem(what: str):
            else f"failed to load ({str(LOAD_ERROR)[:300]})")
     return (f"{what} needs bst_fast's C++ extension (bst_fast._C), which {how}: build it against the torch you "
             f"run ({torch.__version__}) with `python -m pip install --no-build-isolation -e .` in the project "
-            f"folder (or `python setup.py build_ext --inplace`)")
+            f"folder (or `python setup.py build_ext --inplace`), or reinstall the package with "
+            f"`pip install --no-build-isolation --force-reinstall` of its source")
 
 
 def require(what: str):

@@ -307,6 +307,22 @@ def test_pyproject_declares_the_package():
     assert not reqs & {"numpy", "tqdm", "pyyaml", "safetensors", "tokenizers", "triton", "torch"}, reqs
 
 
+def test_an_isolated_build_is_told_to_turn_isolation_off(tmp_path):
+    """An isolated build took the newest torch (build-system requires), compiled against it (torch 2.14:
+    C++20 errors under the old -std=c++17) and pinned the package to it, replacing the user's torch
+    (review helper-110): without torch in the build's environment setup.py says what to do."""
+    tomllib = pytest.importorskip("tomllib")
+    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not [r for r in build_requires if r.lower().startswith("torch")]
+    hide = tmp_path / "torch"  # a package named torch that cannot be imported: as if torch were missing
+    hide.mkdir()
+    (hide / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    run = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert run.returncode != 0 and "torch installed first" in run.stderr and "--no-build-isolation" in run.stderr
+    assert '"-std=c++' not in (ROOT / "setup.py").read_text()  # the C++ standard is torch's own choice
+
+
 def test_the_installed_package_requires_the_torch_it_was_built_with():
     """The C++ extension keeps no ABI across torch versions: the metadata pins the torch of the
     build (review helper-74: `torch>=2.4` let pip keep or take another one), and lists the rest."""
