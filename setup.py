@@ -16,7 +16,7 @@ except ImportError:  # an isolated build (pip without --no-build-isolation), or 
 
 # The extension links against this torch's C++ library, which keeps no ABI across versions: the
 # package requires the torch it was built with (a local label such as +cu130 matches any build of
-# that version). An isolated build (pip without --no-build-isolation) would take the newest torch.
+# that version). An isolated build (pip without --no-build-isolation) has no torch: refused above.
 RUNTIME = [f"torch=={torch.__version__.split('+')[0]}", "numpy", "tqdm", "pyyaml", "safetensors", "tokenizers",
            "triton; sys_platform == 'linux'"]
 

@@ -22,6 +22,11 @@ class ArgumentTypeError(TypeError, ValueError):
     argument checks here raised (and callers caught) before the two were told apart."""
 
 
+def is_int(value) -> bool:
+    """An int and not a bool (bool is an int subclass: True would pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, lowest: int) -> int:
     """`value` as an int >= lowest (numpy and 0-d torch integers too, never a bool or a float);
     otherwise an error naming the argument: ArgumentTypeError for another type, ValueError for an

@@ -8,7 +8,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _ext  # noqa: F401  (the sampler op, bst_fast::sample_pairs)
-from ._checks import ArgumentTypeError, TokenIdError, check_int
+from ._checks import ArgumentTypeError, TokenIdError, check_int, is_int
 from ._device_sampler import sample_on_device
 
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
@@ -544,23 +544,24 @@ def prepare(f, b, tokens, vocab_size, *, lengths, prefix_start, min_gap, max_gap
         _fail(ValueError, f"tokens must be an integer tensor ({ID_DTYPES}), got {tokens.dtype}")
     if tokens.device != f.device:
         _fail(ValueError, f"tokens must be on the device of f ({f.device}), got {tokens.device}")
-    if meet_token is not None and (not isinstance(meet_token, int) or isinstance(meet_token, bool)):
+    if meet_token is not None and not is_int(meet_token):
         _fail(ArgumentTypeError, f"meet_token must be None or an int token id, got {type(meet_token).__name__} {meet_token!r}")
     if meet_token is not None and not (0 <= meet_token and (vocab_size is None or meet_token < vocab_size)):
         _fail(ValueError, f"meet_token must lie in [0, vocab_size={vocab_size}), got {meet_token}")
-    if not isinstance(min_gap, int) or isinstance(min_gap, bool) or min_gap < 1:
-        _fail(ArgumentTypeError if not isinstance(min_gap, int) or isinstance(min_gap, bool) else ValueError,
+    if not is_int(min_gap) or min_gap < 1:
+        _fail(ValueError if is_int(min_gap) else ArgumentTypeError,
               f"min_gap must be an int >= 2 (or 1 with meet_token, docs/contract.md §8), got {min_gap!r}")
     if min_gap == 1 and meet_token is None:
         _fail(ValueError, "min_gap=1 needs meet_token: a pair with j - i = 1 has no token between prefix and suffix "
                           "(its Next label tokens[r, i+1] is the suffix's first token, its Prev label the prefix's "
                           "last), so both its labels are meet_token (docs/contract.md §8; the official "
                           "bst_single_gap_prediction_mode 'eos' is meet_token=<the EOS id>)")
-    if max_gap is not None and (not isinstance(max_gap, int) or isinstance(max_gap, bool) or max_gap < min_gap):
-        _fail(ArgumentTypeError if not isinstance(max_gap, int) or isinstance(max_gap, bool) else ValueError,
+    if max_gap is not None and (not is_int(max_gap) or max_gap < min_gap):
+        _fail(ValueError if is_int(max_gap) else ArgumentTypeError,
               f"max_gap must be None or an int >= min_gap ({min_gap}), got {max_gap!r}")
-    if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) or not 0.0 <= next_weight <= 1.0:
-        _fail(ArgumentTypeError if not isinstance(next_weight, (int, float)) or isinstance(next_weight, bool) else ValueError,
+    number = isinstance(next_weight, (int, float)) and not isinstance(next_weight, bool)
+    if not number or not 0.0 <= next_weight <= 1.0:
+        _fail(ValueError if number else ArgumentTypeError,
               f"next_weight must be a number in [0, 1], got {next_weight!r}")
     if reduction not in REDUCTIONS:
         _fail(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

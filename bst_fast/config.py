@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from ._checks import MAX_VOCAB, plain_number, short
+from ._checks import MAX_VOCAB, is_int, plain_number, short
 from .model import ModelConfig
 
 METHODS = ("bst", "forward", "augment", "fim", "teacherless")
@@ -359,10 +359,6 @@ INT_BOUNDS = {"model.d_model": (2**24, "2**24")}
 UNBOUNDED_INTS = ("seed", "max_gap", "meet_token")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_bound(name: str, value: int):
     bound, text = INT_BOUNDS.get(name, (MAX_INT, MAX_INT_TEXT))
     if value > bound:
@@ -378,7 +374,7 @@ def _check_bounds(cfg: "TrainConfig"):
         for f in fields(obj):
             value = getattr(obj, f.name)
             for v in value if isinstance(value, list) and f.name == "head_hidden" else [value]:
-                if _is_int(v) and prefix + f.name not in UNBOUNDED_INTS:
+                if is_int(v) and prefix + f.name not in UNBOUNDED_INTS:
                     _check_bound(prefix + f.name, v)
 
 
@@ -424,7 +420,7 @@ def _from_dict(cls, d, prefix):
             if isinstance(value, tuple):
                 value = list(value)
             entries = [plain_number(v) for v in value] if isinstance(value, list) else [value]
-            if not all(_is_int(v) for v in entries):
+            if not all(is_int(v) for v in entries):
                 raise ValueError(f"config field {short(name)} must be an int or a list of ints, got {short(value)}")
             value = entries if isinstance(value, list) else value
         elif dataclasses.is_dataclass(default):
@@ -450,7 +446,7 @@ def _from_dict(cls, d, prefix):
             if name in INT_BOUNDS:  # before ModelConfig's own checks, which blamed mlp_ratio for d_model
                 _check_bound(name, value)
         elif key == "max_gap" and value is not None:
-            if not _is_int(value):
+            if not is_int(value):
                 raise ValueError(f"config field {short(name)} must be None or an int, got {short(value)}")
         elif key == "meet_token" and value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -459,7 +455,7 @@ def _from_dict(cls, d, prefix):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"config field {short(name)} must be None or a fraction, got {short(value)}")
             fraction = _as_float(name, value)
-            if _is_int(value) and value != 1:  # belief_state_loss reads an int as pairs per row: not here
+            if is_int(value) and value != 1:  # belief_state_loss reads an int as pairs per row: not here
                 raise ValueError(f"config field {short(name)} must be None or a fraction in (0, 1] of each row's "
                                  f"pairs, got {short(value)} (a count of pairs per row is belief_state_loss's "
                                  "pairs=k, not the config's)")

@@ -467,10 +467,10 @@ def probe_accuracy(train_x, train_y, test_x, test_y, hidden: int = 64, steps: in
         if not x.dtype.is_floating_point:
             raise ValueError(f"{name}_x must be floating point (states), got {x.dtype}")
         # classes: integers >= 0 (a float label 0.5 was truncated to class 0, silently; -1 was torch's IndexError)
-        if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool or int(y.min()) < 0:
-            raise ValueError(f"{name}_y must hold integer classes >= 0, got "
-                             + (f"{y.dtype}" if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool
-                                else f"{int(y.min())}"))
+        if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+            raise ValueError(f"{name}_y must hold integer classes >= 0, got {y.dtype}")
+        if int(y.min()) < 0:
+            raise ValueError(f"{name}_y must hold integer classes >= 0, got {int(y.min())}")
     # Training needs autograd even when the caller evaluates under no_grad or inference_mode; a
     # tensor made in inference mode cannot be saved for backward, hence the copies (clone).
     with torch.inference_mode(False), torch.enable_grad():

@@ -36,9 +36,13 @@ def _vocab_size(head, m, device, dtype):
     return out.shape[-1] // 2
 
 
-def _check_head(head, f):
+def _check_head_type(head):
     if not isinstance(head, nn.Module):
         raise ArgumentTypeError(f"head must be an nn.Module, got {type(head).__name__}")
+
+
+def _check_head(head, f):
+    _check_head_type(head)
     d = getattr(head, "d_model", None)  # TextHead's and ResidualSwiGLUHead's width m
     if isinstance(d, int) and d != f.shape[-1]:
         raise ValueError(f"head.d_model ({d}) must equal the last dimension m of f ({f.shape[-1]})")
@@ -142,8 +146,7 @@ class BeliefStateLoss(nn.Module):
                               "next_weight", "reduction", "generator", "backend", "deterministic"}
         if bad:  # a TypeError, as the call's own unknown keyword is
             raise ArgumentTypeError(f"BeliefStateLoss got unknown options {sorted(bad)}")
-        if not isinstance(head, nn.Module):  # now, not at the first forward
-            raise ArgumentTypeError(f"head must be an nn.Module, got {type(head).__name__}")
+        _check_head_type(head)  # now, not at the first forward
         self.head = head
         self.options = options
 

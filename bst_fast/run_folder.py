@@ -171,15 +171,14 @@ class RunFolder:
                     fault = _kind_fault(path, folder=path.name != "latest")
                     if fault:
                         raise ValueError(fault)
+            held = [n for n in RUN_FILES if os.path.lexists(out / n)]
             if resume:
                 ckpt = latest_checkpoint(out)
                 if ckpt is None:
-                    held = [n for n in RUN_FILES if os.path.lexists(out / n)]
                     why = (f" (the run there, {', '.join(held)}, stopped before its first checkpoint: start it over with "
                            f"--overwrite)") if held else ""
                     raise ValueError(f"--resume: no checkpoint under {_cut(out / 'checkpoints')}{why}")
                 return ckpt
-            held = [n for n in RUN_FILES if os.path.lexists(out / n)]
             if held and _protected(out):
                 raise ValueError(f"out_dir {_cut(out)} is {_protected(out)}, which is never deleted from, and holds a "
                                  f"run ({', '.join(held)}): resume it (--resume) or choose another out_dir")

@@ -256,10 +256,6 @@ def train_step(run: Run, step: int) -> Optional[torch.Tensor]:
 _GROUP = {"started": None, "timeout": 0.0}  # the process group train() started, if any, and its ddp_timeout
 
 
-def _rank_is_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def end_process_group() -> bool:
     """End the DDP process group train() started (and no other; True if it did): the CLI calls it
     once the command is done, at exit otherwise. Left to the interpreter's teardown, gloo aborted a
@@ -313,13 +309,12 @@ def _device(cfg: TrainConfig, world: int) -> str:
         # about one run in fifteen (docs/results.md, DDP). The CLI ends it earlier (end_process_group).
         _GROUP["started"] = dist.group.WORLD
         atexit.register(end_process_group)
-    elif world > 1 and (dist.group.WORLD is not _GROUP["started"] and cfg.ddp_timeout
-                        or dist.group.WORLD is _GROUP["started"] and cfg.ddp_timeout != _GROUP.get("timeout")):
+    elif world > 1:
         # a group outlives the train() call that made it (or the user made it): its timeout is fixed
-        made = (f"by an earlier train() call with ddp_timeout {_GROUP.get('timeout') or 0}"
-                if dist.group.WORLD is _GROUP["started"] else "outside train()")
-        if _rank_is_zero():
-            print(f"warning: config field 'ddp_timeout' ({cfg.ddp_timeout}) does not apply: this process's DDP group, "
+        ours = dist.group.WORLD is _GROUP["started"]
+        if cfg.ddp_timeout != (_GROUP["timeout"] if ours else 0) and dist.get_rank() == 0:
+            made = f"by an earlier train() call with ddp_timeout {_GROUP['timeout']:g}" if ours else "outside train()"
+            print(f"warning: config field 'ddp_timeout' ({cfg.ddp_timeout:g}) does not apply: this process's DDP group, "
                   f"started {made}, keeps its own timeout", file=sys.stderr, flush=True)
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -635,7 +630,7 @@ def train(config: ConfigLike = None, resume: bool = False, stop_at: Optional[int
         if run.world > 1 and "timed out" in str(e).lower():  # gloo's and NCCL's words for a collective's timeout
             raise RuntimeError(f"{e} (DDP: this rank waited past the process group's timeout for another: a rank "
                                f"froze or died, or rank 0's checkpoint save took longer; config field "
-                               f"ddp_timeout, {cfg.ddp_timeout or 'torch default'} s here, sets it)") from e
+                               f"ddp_timeout, {f'{cfg.ddp_timeout:g} s' if cfg.ddp_timeout else 'torch default'} here, sets it)") from e
         raise
     finally:
         run.close()

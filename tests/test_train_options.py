@@ -449,7 +449,7 @@ def test_ddp_timeout_reaches_the_process_group_and_a_resume_may_change_it(tmp_pa
     monkeypatch.setattr(trainer.dist, "get_rank", lambda: 0)
     trainer._device(tiny(tmp_path, device="cpu", batch_size=4, ddp_timeout=5), 2)
     assert len(seen) == 2
-    assert "config field 'ddp_timeout' (5.0) does not apply: this process's DDP group, started by an earlier " \
+    assert "config field 'ddp_timeout' (5) does not apply: this process's DDP group, started by an earlier " \
         "train() call with ddp_timeout 0, keeps its own timeout" in capsys.readouterr().err
     trainer._device(tiny(tmp_path, device="cpu", batch_size=4), 2)  # the group's own value: nothing to say
     assert capsys.readouterr().err == ""

@@ -156,11 +156,14 @@ class Switches:
             value = getattr(self, f.name)
             if value is None and optional:
                 continue
-            try:  # numpy's bools and ints as Python's (a config read through numpy)
-                value = bool(value) if kind == "bool" and type(value).__name__ in ("bool_", "bool") \
-                    else operator.index(value) if kind == "int" and not isinstance(value, bool) else value
-            except TypeError:
-                pass
+            # numpy's bools and ints (and a 0-d integer tensor) as Python's
+            if kind == "bool" and type(value).__name__ in ("bool_", "bool"):
+                value = bool(value)
+            elif kind == "int" and not isinstance(value, bool):
+                try:
+                    value = operator.index(value)
+                except TypeError:
+                    pass
             lowest = SWITCH_LOWEST.get(f.name, 0)
             ok = isinstance(value, bool) if kind == "bool" else \
                 isinstance(value, int) and not isinstance(value, bool) and value >= lowest

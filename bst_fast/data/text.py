@@ -745,9 +745,8 @@ class TextData(_Batches):
         offsets = np.concatenate([[0], np.cumsum(doc_lengths)])[:-1]
         kept = doc_lengths > 0
         self.dropped_documents = 0  # longer than max_doc_tokens
-        if max_doc_tokens is not None:  # 0 keeps every document, as the config's max_doc_tokens 0 does
-            max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 0) or None
-        if max_doc_tokens is not None:
+        # 0 keeps every document, as the config's max_doc_tokens 0 does
+        if max_doc_tokens is not None and check_int("max_doc_tokens", max_doc_tokens, 0):
             long = doc_lengths > max_doc_tokens
             self.dropped_documents = int(long.sum())
             kept &= ~long
